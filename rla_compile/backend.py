@@ -1,0 +1,140 @@
+"""The `rla` torch.compile backend: re-trace, align, hand to the inner compiler.
+
+    torch.compile(model, backend="rla")                          # entry point, no import needed
+    torch.compile(model, backend="rla", options={"sites": ["rope"]})
+    be = rla_compile.backend(pin_rounding=True); torch.compile(model, backend=be); be.reports
+
+Training needs the rewrite before autograd: a forward-only rewrite after AOTAutograd leaves a
+backward derived from the old forward (contract.md). So the backend re-traces Dynamo's graph
+to pre-dispatch ATen (normalised ops, no autograd yet), aligns it, and gives the result to
+`compile_fx` (or AOTAutograd with eager kernels), which derives the backward from the fp32
+forward. Inductor's caches key on the rewritten graph, and on the uuid of the pass that pins
+the site roundings, which covers rla's code and options.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph, GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .config import Options
+from .engine import align, is_site_rounding
+from .printer import format_graph
+from .report import GraphReport
+
+__all__ = ["Backend", "backend", "rla_backend", "PinSiteRounding"]
+
+log = logging.getLogger(__name__)
+
+
+class PinSiteRounding(CustomGraphPass):
+    """Post-grad pass: keep every site's output rounding through Inductor's fusion.
+
+    With `emulate_precision_casts=False` Inductor computes fused pointwise chains in fp32 and
+    drops in-kernel casts, including a site's output rounding when its consumer fuses into
+    the same kernel. The per-node barrier makes the lowering round at exactly these nodes.
+    """
+
+    def __init__(self, options: Options):
+        self._uuid = options.uuid()
+
+    def __call__(self, graph: Graph) -> None:
+        for node in graph.nodes:
+            if is_site_rounding(node):
+                node.meta["low_precision_pointwise_barrier"] = True
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+def _pre_dispatch(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
+    """Dynamo's torch-level graph -> normalised pre-dispatch ATen, node provenance kept."""
+    context = torch._guards.TracingContext.try_get()
+    fake_mode = context.fake_mode if context is not None else None
+    if fake_mode is None:
+        fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+    fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+
+    def run(*args):
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with fake_mode, fx_traceback.preserve_node_meta():
+        return make_fx(run, tracing_mode="real", pre_dispatch=True)(*fake)
+
+
+def _graph_name() -> str:
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return str(compile_id) if compile_id is not None else "graph"
+
+
+class Backend:
+    """A torch.compile backend with rla's options; `.reports` has one report per graph."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.reports: list[GraphReport] = []
+
+    def __repr__(self) -> str:
+        return f"rla_compile.Backend({self.options})"
+
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        aten_gm = _pre_dispatch(gm, example_inputs)
+        before = format_graph(aten_gm) if self.options.debug_dir else ""
+        report = align(aten_gm, self.options, name=_graph_name())
+        self.reports.append(report)
+        log.info("%s", report.summary())
+        if self.options.debug_dir is not None:
+            from .debug import dump
+
+            dump(self.options.debug_dir, report, before, aten_gm)
+        return self._compile(aten_gm, example_inputs, kwargs.get("mode"))
+
+    def _compile(self, gm: GraphModule, example_inputs: Sequence[Any], mode: str | None) -> Callable:
+        if self.options.inner == "aot_eager":
+            from torch._dynamo.backends.debugging import aot_eager
+
+            return aot_eager(gm, example_inputs)
+
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
+        patches.update(self.options.inductor)
+        patches["emulate_precision_casts"] = self.options.pin_rounding
+        user_pass = patches.get("post_grad_custom_post_pass")
+        pin = PinSiteRounding(self.options)
+        patches["post_grad_custom_post_pass"] = pin if user_pass is None else [*_as_list(user_pass), pin]
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def backend(options: Options | dict | None = None, **kwargs: Any) -> Backend:
+    """A backend object for `torch.compile(model, backend=...)`, keeping its reports.
+
+    Keyword arguments are the options (see `Options`): sites, inner, pin_rounding, debug, inductor.
+    """
+    if isinstance(options, Options):
+        if kwargs:
+            raise TypeError("pass either an Options object or keyword options, not both")
+        return Backend(options)
+    return Backend(Options.from_dict({**(options or {}), **kwargs}))
+
+
+def rla_backend(gm: GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None) -> Callable:
+    """The function registered as `backend="rla"` (entry point `torch_dynamo_backends`).
+
+    Reports go to the `rla_compile` logger (`TORCH_LOGS=+rla_compile`); use
+    `rla_compile.backend(...)` to keep them on an object.
+    """
+    be = Backend(Options.from_dict(options))
+    return be(gm, example_inputs, mode=mode)

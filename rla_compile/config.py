@@ -1,0 +1,121 @@
+"""rla_compile's options: one frozen dataclass, one door for strings and dicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .sites import SITE_KINDS
+
+__all__ = ["Options", "OptionError", "INNER_BACKENDS"]
+
+INNER_BACKENDS = ("inductor", "aot_eager")
+
+
+class OptionError(ValueError):
+    """An option name or value rla_compile does not know; the message lists the valid ones."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the `rla` backend aligns a graph.
+
+    sites: which sites to align (subset of rmsnorm, residual_rmsnorm, swiglu, rope).
+    inner: the compiler that runs the rewritten graph: "inductor" (default) or "aot_eager"
+        (AOTAutograd without codegen: eager kernels, the rewritten rounding points).
+    pin_rounding: round like eager outside the sites too (Inductor's
+        emulate_precision_casts). Off by default: see docs/options.md for the measurements.
+        The sites' own output roundings are pinned either way.
+    debug: a directory to dump graphs and reports into, or True for ./rla_debug
+        (False: no dump). Debug never changes the rewrite.
+    inductor: extra Inductor config patches, passed through to compile_fx.
+    """
+
+    sites: frozenset[str] = frozenset(SITE_KINDS)
+    inner: str = "inductor"
+    pin_rounding: bool = False
+    debug: str | bool = False
+    inductor: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        sites = self.sites
+        if isinstance(sites, str):
+            sites = [s.strip() for s in sites.split(",") if s.strip()]
+        if not isinstance(sites, Iterable):
+            raise OptionError(f"sites must be a list of site names; valid: {', '.join(SITE_KINDS)}")
+        sites = frozenset(sites)
+        unknown = sorted(sites - set(SITE_KINDS))
+        if unknown:
+            raise OptionError(
+                f"unknown site(s) {', '.join(map(repr, unknown))} in option 'sites'; "
+                f"valid: {', '.join(SITE_KINDS)}"
+            )
+        object.__setattr__(self, "sites", sites)
+        if self.inner not in INNER_BACKENDS:
+            raise OptionError(
+                f"unknown inner backend {self.inner!r} in option 'inner'; valid: {', '.join(INNER_BACKENDS)}"
+            )
+        if not isinstance(self.pin_rounding, bool):
+            raise OptionError(f"option 'pin_rounding' must be True or False, got {self.pin_rounding!r}")
+        if not isinstance(self.debug, (bool, str, os.PathLike)):
+            raise OptionError(f"option 'debug' must be True/False or a directory, got {self.debug!r}")
+        if not isinstance(self.inductor, Mapping):
+            raise OptionError(f"option 'inductor' must be a dict of Inductor config patches, got {self.inductor!r}")
+        object.__setattr__(self, "inductor", dict(self.inductor))
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> Options:
+        """The one door for user dicts (torch.compile's `options=`). Rejects unknown names."""
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise OptionError(
+                f"unknown rla option(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)} "
+                "(Inductor settings go inside options['inductor'])"
+            )
+        return cls(**options)
+
+    @property
+    def debug_dir(self) -> Path | None:
+        if self.debug is False or self.debug == "":
+            return None
+        return Path("rla_debug") if self.debug is True else Path(self.debug)
+
+    def rewrite_key(self) -> dict[str, Any]:
+        """The options that change the rewritten graph or its compilation (not `debug`)."""
+        return {
+            "sites": sorted(self.sites),
+            "inner": self.inner,
+            "pin_rounding": self.pin_rounding,
+            "inductor": {k: repr(v) for k, v in sorted(self.inductor.items())},
+        }
+
+    def uuid(self) -> str:
+        """Cache key: rla's version, the source of every module, and the rewrite options."""
+        return hashlib.sha256(
+            (_source_hash() + json.dumps(self.rewrite_key(), sort_keys=True)).encode()
+        ).hexdigest()
+
+
+_SOURCE_HASH: str | None = None
+
+
+def _source_hash() -> str:
+    global _SOURCE_HASH  # computed once per process: the package's files do not change under it
+    if _SOURCE_HASH is None:
+        from . import __version__
+
+        digest = hashlib.sha256(__version__.encode())
+        root = Path(__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+        _SOURCE_HASH = digest.hexdigest()
+    return _SOURCE_HASH

@@ -1,0 +1,272 @@
+"""The rewrite engine: find sites, then make each one follow the rounding contract.
+
+Every site, whatever its kind, is rewritten the same way (contract.md):
+
+1. inputs: each low-precision value entering the region is upcast to fp32, once per value
+   (shared by all sites that read it). A value that the graph computed in fp32 and rounded only
+   to feed sites (RoPE's cos/sin) is not upcast: the rounding is bypassed and the sites read
+   the fp32 value.
+2. inside: every cast in the region is removed, so nothing rounds to T.
+3. outputs: every region value read outside the region is rounded back to the dtype it had
+   before, exactly once. These casts are tagged so Inductor keeps them (see `pin_rounding`).
+
+The rewrite keeps the dtypes the rest of the graph sees, so nothing outside the sites changes
+(except cos/sin chains that only fed sites). It runs on pre-dispatch ATen (the `rla`
+backend, before autograd) and on Inductor's post-grad ATen (vLLM) alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from . import fx
+from .config import Options
+from .report import GraphReport, NearMiss, SiteReport
+from .sites import MATCHERS, Match, Miss
+
+__all__ = ["align", "find_sites", "ROUNDING_TAG", "is_site_rounding"]
+
+log = logging.getLogger(__name__)
+
+ROUNDING_TAG = "rla_round"  # node.meta["custom"][ROUNDING_TAG] = site kind, on every output rounding
+
+
+def is_site_rounding(node: Node) -> bool:
+    return ROUNDING_TAG in (node.meta.get("custom") or {})
+
+
+def find_sites(graph: Graph, selected: Iterable[str]) -> tuple[list[Match], list[tuple[Match, str]], list[Miss]]:
+    """(matches to align, matches skipped with a reason, near misses), in registry order.
+
+    A matcher's candidate whose anchor an earlier matcher already claimed is the same site and
+    is not looked at again; one whose nodes overlap an earlier site is skipped with a reason.
+    """
+    selected = set(selected)
+    claimed_anchors: dict[Node, Match] = {}
+    claimed_nodes: dict[Node, Match] = {}
+    matches: list[Match] = []
+    unselected: dict[Node, Match] = {}
+    skipped: list[tuple[Match, str]] = []
+    misses: list[Miss] = []
+    for matcher in MATCHERS:
+        for anchor in list(matcher.candidates(graph)):
+            if anchor in claimed_anchors:
+                continue
+            result = matcher.match(anchor)
+            if result is None:
+                continue
+            if isinstance(result, Miss):
+                misses.append(result)
+                continue
+            if result.kind not in selected:
+                unselected.setdefault(anchor, result)
+                continue
+            overlap = next((claimed_nodes[n] for n in result.nodes if n in claimed_nodes), None)
+            if overlap is not None:
+                skipped.append((result, f"overlaps the {overlap.kind} site at {overlap.anchor.name}"))
+                continue
+            claimed_anchors[anchor] = result
+            claimed_nodes.update(dict.fromkeys(result.nodes, result))
+            matches.append(result)
+    for anchor, match in unselected.items():
+        if anchor in claimed_anchors:
+            continue  # e.g. a residual norm aligned as a plain rmsnorm
+        skipped.append((match, f"{match.kind!r} is not in options.sites"))
+    # A near miss whose anchor was matched by another kind's matcher is not a miss.
+    misses = [m for m in misses if m.anchor not in claimed_anchors and m.anchor not in unselected]
+    return matches, skipped, misses
+
+
+def _site_dtype(match: Match) -> torch.dtype:
+    dtypes = [fx.dtype_of(n) for n in match.nodes]
+    dtypes += [fx.dtype_of(p) for n in match.nodes for p in n.all_input_nodes]
+    return next((d for d in dtypes if d in fx.LOW_PRECISION), torch.float32)
+
+
+class _Rewriter:
+    """Applies the contract to matched regions of one graph, sharing upcasts between sites."""
+
+    def __init__(self, graph: Graph, site_nodes: set[Node]):
+        self.graph = graph
+        self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
+        self.fp32: dict[Node, Node] = {}  # low-precision value -> its fp32 version
+
+    # -- inputs -------------------------------------------------------------------------
+    def bypassable(self, value: Node) -> Node | None:
+        """The cast that rounded `value`'s fp32 origin, if that rounding only feeds sites."""
+        chain = value
+        while fx.is_view(chain) and len(chain.all_input_nodes) == 1:
+            chain = chain.args[0]
+        if not fx.is_cast(chain) or fx.dtype_of(chain.args[0]) != torch.float32:
+            return None
+        frontier, seen = list(chain.users), set()
+        while frontier:
+            user = frontier.pop()
+            if user in seen or user in self.site_nodes:
+                continue
+            seen.add(user)
+            if not fx.is_view(user):
+                return None
+            frontier.extend(user.users)
+        return chain
+
+    def to_fp32(self, value: Node) -> Node:
+        if value in self.fp32:
+            return self.fp32[value]
+        cast = self.bypassable(value)
+        if cast is not None:
+            # Read the fp32 origin; the views between it and the sites now carry fp32.
+            views = []
+            node = value
+            while node is not cast:
+                views.append(node)
+                node = node.args[0]
+            cast.replace_all_uses_with(cast.args[0])
+            self.graph.erase_node(cast)
+            for view in reversed(views):
+                _set_dtype(view, torch.float32)
+            result = value
+        else:
+            with self.graph.inserting_after(value):
+                result = self._cast(value, torch.float32)
+        self.fp32[value] = result
+        return result
+
+    def _cast(self, value: Node, dtype: torch.dtype) -> Node:
+        node = self.graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": dtype})
+        node.meta.update({k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        node.meta["val"] = value.meta["val"].to(dtype)
+        return node
+
+    # -- the rewrite --------------------------------------------------------------------
+    def rewrite(self, match: Match) -> None:
+        region = match.nodes
+        order = [n for n in self.graph.nodes if n in region]
+        outside = {n: [u for u in n.users if u not in region] for n in order}
+        dtype_before = {n: fx.dtype_of(n) for n in order}
+
+        for node in order:  # 1. inputs
+            for value in node.all_input_nodes:
+                if value not in region and fx.is_low_precision(value):
+                    node.replace_input_with(value, self.to_fp32(value))
+
+        fp32_value: dict[Node, Node] = {}  # region node -> the node now holding its fp32 value
+        for node in order:  # 2. inside: casts disappear, everything else computes in fp32
+            if fx.is_cast(node):
+                source = node.args[0]
+                fp32_value[node] = fp32_value.get(source, source)
+                for user in list(node.users):
+                    if user in region:
+                        user.replace_input_with(node, fp32_value[node])
+            else:
+                fp32_value[node] = node
+                if fx.dtype_of(node) in fx.LOW_PRECISION:
+                    _set_dtype(node, torch.float32)
+
+        for node in order:  # 3. outputs: one rounding per value read outside
+            users = outside[node]
+            if not users:
+                continue
+            value = fp32_value[node]
+            if dtype_before[node] in fx.LOW_PRECISION:
+                with self.graph.inserting_after(value):
+                    rounded = self._cast(value, dtype_before[node])
+                _tag_rounding(rounded, match.kind)
+            else:
+                rounded = value
+                for user in users:  # the model's own rounding of an fp32 output: keep it
+                    if fx.is_cast(user) and fx.is_low_precision(user):
+                        _tag_rounding(user, match.kind)
+            for user in users:
+                user.replace_input_with(node, rounded)
+
+        for node in reversed(order):
+            if fx.is_cast(node) and not node.users:
+                self.graph.erase_node(node)
+
+
+def _set_dtype(node: Node, dtype: torch.dtype) -> None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dtype != dtype:
+        node.meta["val"] = val.to(dtype)
+    node.meta.pop("tensor_meta", None)
+
+
+def _tag_rounding(node: Node, kind: str) -> None:
+    node.meta["custom"] = {**(node.meta.get("custom") or {}), ROUNDING_TAG: kind}
+    # Read by Inductor's pointwise lowering: round here even when the consumer fuses.
+    node.meta["low_precision_pointwise_barrier"] = True
+
+
+def _where(node: Node) -> tuple[str, str]:
+    return fx.module_path(node), fx.source_line(node)
+
+
+def align(gm: GraphModule, options: Options, name: str = "graph") -> GraphReport:
+    """Rewrite `gm` in place to the rounding contract; return what was found and done."""
+    graph = gm.graph
+    matches, skipped, misses = find_sites(graph, options.sites)
+    report = GraphReport(graph=name)
+
+    names = {m: tuple(n.name for n in graph.nodes if n in m.nodes) for m in matches}
+    names.update({m: tuple(n.name for n in graph.nodes if n in m.nodes) for m, _ in skipped})
+    skipped = [(m, reason, _site_dtype(m)) for m, reason in skipped]
+    plans = []
+    for match in matches:
+        dtype = _site_dtype(match)
+        if dtype == torch.float32:
+            plans.append((match, dtype, "already_aligned", "float32 activations: no rounding to move"))
+        else:
+            plans.append((match, dtype, None, ""))
+    site_nodes = {n for m, _, status, _ in plans if status is None for n in m.nodes}
+    rewriter = _Rewriter(graph, site_nodes)
+
+    for match, dtype, status, reason in plans:
+        if status is None:
+            lowp_inside = [n for n in match.nodes if fx.dtype_of(n) in fx.LOW_PRECISION]
+            rounded_inputs = [
+                p
+                for n in match.nodes
+                for p in n.all_input_nodes
+                if p not in match.nodes and fx.is_low_precision(p) and rewriter.bypassable(p) is not None
+            ]
+            if not lowp_inside and not rounded_inputs:
+                status, reason = "already_aligned", "computed in fp32, rounded once"
+            else:
+                rewriter.rewrite(match)
+                status = "rewritten"
+        report.sites.append(_site_report(match, status, dtype, reason, names[match]))
+
+    for match, reason, dtype in skipped:
+        report.sites.append(_site_report(match, "skipped", dtype, reason, names[match]))
+    for miss in misses:
+        report.near_misses.append(NearMiss(miss.kind, miss.anchor.name, fx.module_path(miss.anchor), miss.reason))
+
+    if not any(fx.is_low_precision(n) for n in graph.nodes):
+        report.note = "nothing to align: activations are float32"
+    if any(s.status == "rewritten" for s in report.sites):
+        graph.lint()
+        gm.recompile()
+    log.debug("%s", report.summary())
+    return report
+
+
+def _site_report(
+    match: Match, status: str, dtype: torch.dtype, reason: str, nodes: tuple[str, ...]
+) -> SiteReport:
+    module, source = _where(match.anchor)
+    return SiteReport(
+        kind=match.kind,
+        status=status,
+        variant=match.variant,
+        dtype=str(dtype).removeprefix("torch."),
+        module=module,
+        source=source,
+        anchor=match.anchor.name,
+        reason=reason,
+        nodes=nodes,
+    )

@@ -1,0 +1,190 @@
+"""Small, IR-agnostic helpers over ATen FX graphs.
+
+The engine and the site matchers run on two IRs: the pre-dispatch ATen graph the ``rla``
+backend re-traces (``aten.to.dtype``, ``aten.type_as``, ``aten.square``, ...) and Inductor's
+post-grad graph (``prims.convert_element_type``, decomposed ops). Helpers therefore look at
+an op's *name* (its overload packet), never at one exact overload, so a matcher written once
+reads both.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.fx import Graph, Node
+
+__all__ = [
+    "LOW_PRECISION",
+    "op_name",
+    "is_op",
+    "dtype_of",
+    "shape_of",
+    "is_low_precision",
+    "is_cast",
+    "strip_casts",
+    "is_view",
+    "constant",
+    "normalize_dim",
+    "module_path",
+    "source_line",
+    "call_nodes",
+]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# Ops that only change dtype. `type_as` and `to.other` take their dtype from a second tensor;
+# all of them read the value to convert from args[0].
+_CAST_OPS = frozenset({"to", "_to_copy", "type_as", "convert_element_type", "_to_dtype"})
+
+# Ops that move or alias data without arithmetic: rounding commutes with them exactly.
+_VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "transpose",
+        "permute",
+        "t",
+        "slice",
+        "select",
+        "clone",
+        "contiguous",
+        "alias",
+        "flatten",
+        "unflatten",
+        "expand_as",
+        "view_as",
+    }
+)
+
+
+def op_name(node: Node) -> str | None:
+    """`aten.mul.Tensor` -> "mul", `prims.convert_element_type.default` -> "convert_element_type"."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return None
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", None)
+
+
+def is_op(node: object, *names: str) -> bool:
+    return isinstance(node, Node) and op_name(node) in names
+
+
+def _val(node: object):
+    if not isinstance(node, Node):
+        return None
+    val = node.meta.get("val", node.meta.get("example_value"))
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def dtype_of(node: object) -> torch.dtype | None:
+    val = _val(node)
+    return val.dtype if val is not None else None
+
+
+def shape_of(node: object) -> tuple | None:
+    val = _val(node)
+    return tuple(val.shape) if val is not None else None
+
+
+def is_low_precision(node: object) -> bool:
+    return dtype_of(node) in LOW_PRECISION
+
+
+def is_cast(node: object) -> bool:
+    """A node that changes only the floating dtype of args[0] (same shape, float in and out)."""
+    if not is_op(node, *_CAST_OPS):
+        return False
+    src = node.args[0]
+    src_dtype, dst_dtype = dtype_of(src), dtype_of(node)
+    if src_dtype is None or dst_dtype is None:
+        return False
+    if not (src_dtype.is_floating_point and dst_dtype.is_floating_point):
+        return False
+    if shape_of(src) != shape_of(node):
+        return False
+    val, src_val = _val(node), _val(src)
+    return val.device == src_val.device
+
+
+def strip_casts(node: object) -> object:
+    """Follow dtype-only casts back to the value they convert."""
+    while is_cast(node):
+        node = node.args[0]
+    return node
+
+
+def is_view(node: object) -> bool:
+    return is_op(node, *_VIEW_OPS)
+
+
+def constant(arg: object) -> float | None:
+    """A Python scalar argument (FX keeps scalars inline), else None."""
+    if isinstance(arg, bool):
+        return None
+    if isinstance(arg, (int, float)):
+        return float(arg)
+    return None
+
+
+def normalize_dim(dims: object, ndim: int) -> list[int] | None:
+    if isinstance(dims, int):
+        dims = [dims]
+    if not isinstance(dims, (list, tuple)) or not all(isinstance(d, int) for d in dims):
+        return None
+    return sorted(d % ndim for d in dims)
+
+
+def module_path(node: Node) -> str:
+    """Dotted path of the innermost module that created the node, e.g. `model.layers.0.mlp`."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_module_path(path)
+
+
+def _clean_module_path(path: str) -> str:
+    # Dynamo spells module paths as L['self'].model.layers[0].mlp or L['self']._modules['x'].
+    for junk in ("L['self'].", "L['self']", "G['", "L['"):
+        path = path.replace(junk, "")
+    path = path.replace("_modules['", "").replace("']", "").replace("['", ".")
+    path = path.replace("[", ".").replace("]", "")
+    return path.strip(".")
+
+
+def source_line(node: Node) -> str:
+    """`file.py:123 in fn` of the user code that created the node, when the graph kept it."""
+    trace = node.meta.get("stack_trace") or ""
+    for line in reversed(trace.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("File "):
+            # File "/path/to/file.py", line 123, in forward
+            parts = line.split(",")
+            path = parts[0][len('File "') : -1]
+            lineno = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
+            fn = parts[2].strip().removeprefix("in ") if len(parts) > 2 else ""
+            return f"{path.rsplit('/', 1)[-1]}:{lineno} in {fn}".strip()
+    return ""
+
+
+def call_nodes(graph: Graph, *names: str) -> Iterator[Node]:
+    for node in graph.nodes:
+        if node.op == "call_function" and (not names or op_name(node) in names):
+            yield node
+
+
+def users_outside(node: Node, region: Iterable[Node]) -> list[Node]:
+    region = set(region)
+    return [u for u in node.users if u not in region]

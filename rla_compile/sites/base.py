@@ -1,0 +1,45 @@
+"""What a site matcher returns, and the protocol every site module implements."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch.fx import Graph, Node
+
+
+@dataclass(frozen=True, eq=False)  # identity: a match is one place in one graph
+class Match:
+    """A site found in the graph.
+
+    `nodes` is the region the contract computes in fp32: everything between the site's
+    inputs (upcast on entry) and its outputs (rounded once on exit). A trailing cast to the
+    low-precision dtype is *not* part of the region: it is the site's one rounding.
+    `roles` names the interesting inputs (`x`, `weight`, `gate`, `up`, `cos`, ...).
+    """
+
+    kind: str
+    anchor: Node
+    nodes: frozenset[Node]
+    variant: str
+    roles: dict[str, Node] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class Miss:
+    """A candidate the matcher looked at and rejected, with the condition that failed."""
+
+    kind: str
+    anchor: Node
+    reason: str
+
+
+class SiteMatcher(Protocol):
+    kind: str
+
+    def candidates(self, graph: Graph) -> Iterable[Node]:
+        """Anchor nodes worth a closer look (cheap filter by op)."""
+
+    def match(self, anchor: Node) -> Match | Miss | None:
+        """A Match, a Miss saying why not, or None when the anchor is not this site's business."""

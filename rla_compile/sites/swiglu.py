@@ -1,0 +1,104 @@
+"""Gated MLP activation: y = act(g) * u, act = silu (SwiGLU) or gelu (GeGLU).
+
+`F.silu`, `nn.SiLU` and `g * sigmoid(g)` read alike, as do separate gate/up projections and a
+fused gate_up output split in either order (`chunk`, `split`, slices): the matcher only asks
+that the activation's output, through casts, is multiplied by another same-shape tensor that
+is not the activation's own input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch.fx import Graph, Node
+
+from .. import fx
+from .base import Match, Miss
+
+__all__ = ["GatedMLPMatcher"]
+
+
+def _activation(anchor: Node) -> tuple[Node, Node, set[Node], str] | str | None:
+    """anchor -> (gate input, activation output, nodes, act name)."""
+    if fx.is_op(anchor, "silu"):
+        return anchor.args[0], anchor, {anchor}, "silu"
+    if fx.is_op(anchor, "gelu"):
+        approx = anchor.kwargs.get("approximate", anchor.args[1] if len(anchor.args) > 1 else "none")
+        return anchor.args[0], anchor, {anchor}, "gelu_tanh" if approx == "tanh" else "gelu"
+    if fx.is_op(anchor, "sigmoid"):
+        g = fx.strip_casts(anchor.args[0])
+        for user in anchor.users:
+            if fx.is_op(user, "mul") and len(user.args) == 2:
+                other = user.args[1] if user.args[0] is anchor else user.args[0]
+                if isinstance(other, Node) and fx.strip_casts(other) is g:
+                    nodes = {anchor, user} | _casts(other, g)
+                    return anchor.args[0], user, nodes, "silu"
+        return f"{anchor.name} at {fx.module_path(anchor) or 'top level'}: sigmoid(g) is not multiplied by g (a gate, not SiLU)"
+    return None
+
+
+def _casts(node: Node, source: Node) -> set[Node]:
+    found = set()
+    while node is not source and fx.is_cast(node):
+        found.add(node)
+        node = node.args[0]
+    return found
+
+
+def _fused(g: Node, u: Node) -> bool:
+    """g and u are two pieces of one tensor (fused gate_up projection)."""
+
+    def parent(n: Node) -> Node | None:
+        if fx.is_op(n, "getitem", "slice", "select", "narrow"):
+            return n.args[0]
+        return None
+
+    return parent(g) is not None and parent(g) is parent(u)
+
+
+class GatedMLPMatcher:
+    kind = "swiglu"
+
+    def candidates(self, graph: Graph) -> Iterable[Node]:
+        return fx.call_nodes(graph, "silu", "gelu", "sigmoid")
+
+    def match(self, anchor: Node) -> Match | Miss | None:
+        act = _activation(anchor)
+        if act is None:
+            return None
+        where = f"{anchor.name} at {fx.module_path(anchor) or 'top level'}"
+        if isinstance(act, str):
+            return Miss(self.kind, anchor, act)
+        g_in, act_out, nodes, act_name = act
+        g = fx.strip_casts(g_in)
+        nodes |= _casts(g_in, g)
+
+        cur, pending = act_out, set()
+        while len(cur.users) == 1 and fx.is_cast(next(iter(cur.users))):
+            cur = next(iter(cur.users))
+            pending.add(cur)
+        product = next(
+            (
+                user
+                for user in cur.users
+                if fx.is_op(user, "mul")
+                and len(user.args) == 2
+                and all(isinstance(a, Node) for a in user.args)
+            ),
+            None,
+        )
+        if product is None:
+            return Miss(self.kind, anchor, f"{where}: {act_name}(g) is not multiplied by a tensor (no gate)")
+        u_in = product.args[1] if product.args[0] is cur else product.args[0]
+        u = fx.strip_casts(u_in)
+        if u is g:
+            return Miss(self.kind, anchor, f"{where}: {act_name}(x) * x is not gated")
+        if fx.shape_of(u) != fx.shape_of(g):
+            return Miss(self.kind, anchor, f"{where}: {act_name}(g) * u with u shaped {fx.shape_of(u)}, g {fx.shape_of(g)}")
+        nodes |= pending | {product} | _casts(u_in, u)
+        variant = ("geglu" if act_name.startswith("gelu") else "swiglu") + (
+            ", fused gate_up" if _fused(g, u) else ""
+        )
+        if act_name != "silu":
+            variant += f" ({act_name})"
+        return Match(self.kind, anchor, frozenset(nodes), variant, {"gate": g, "up": u})
