@@ -28,8 +28,9 @@ def _last_dim_slice(node: object, source: Node | None = None) -> tuple[Node, int
     shape = fx.shape_of(x)
     if shape is None or source is not None and x is not source:
         return None
-    args = list(node.args) + [0, 0, sys.maxsize, 1][len(node.args) :]
-    dim, start, end, step = args[1], args[2], args[3], args[4]
+    defaults = {"dim": 0, "start": None, "end": None, "step": 1}
+    args = dict(zip(defaults, node.args[1:]))
+    dim, start, end, step = (args.get(k, node.kwargs.get(k, v)) for k, v in defaults.items())
     if not isinstance(dim, int) or dim % len(shape) != len(shape) - 1:
         return None
     size = shape[-1]

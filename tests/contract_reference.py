@@ -1,0 +1,53 @@
+"""The rounding contract, written out as plain eager fp32 code (contract.md's table).
+
+Independent of rla_compile: every site is computed in fp32 from its inputs (upcast on entry)
+and rounded to the activation dtype once per output. Tests compare compiled, rewritten
+graphs against these, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rmsnorm(x, weight=None, eps=1e-6, gemma=False):
+    xf = x.to(torch.float32)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        wf = weight.to(torch.float32)
+        y = y * (1.0 + wf if gemma else wf)
+    return y.to(x.dtype)
+
+
+def residual_rmsnorm(h, r, weight, eps=1e-6):
+    s = h.to(torch.float32) + r.to(torch.float32)
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)
+    return s.to(h.dtype), y.to(h.dtype)
+
+
+def gated(g, u, act="silu"):
+    gf, uf = g.to(torch.float32), u.to(torch.float32)
+    if act == "silu":
+        a = F.silu(gf)
+    elif act == "x_sigmoid":  # SiLU spelled out; same math, its own fp32 formula
+        a = gf * torch.sigmoid(gf)
+    else:
+        a = F.gelu(gf, approximate="tanh" if act == "gelu_tanh" else "none")
+    return (a * uf).to(g.dtype)
+
+
+def rotate(x, style):
+    if style == "neox":
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def rope(x, cos, sin, style="neox", rotary_dim=None):
+    """cos/sin as given (the reference upcasts them; pass fp32 ones where the contract bypasses)."""
+    rotary_dim = rotary_dim or x.shape[-1]
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    xf = xr.to(torch.float32)
+    y = xf * cos.to(torch.float32) + rotate(xf, style) * sin.to(torch.float32)
+    return torch.cat((y.to(x.dtype), xp), dim=-1)

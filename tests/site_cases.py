@@ -1,0 +1,250 @@
+"""Site spellings as users write them, each with its contract reference and expectation.
+
+Every case is a small function over bf16/fp16 tensors containing exactly one kind of site
+(RoPE cases: one site per rotated tensor). `reference` computes the contract with
+`contract_reference`, independently of rla_compile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import contract_reference as ref
+
+EPS = 1e-6
+D = 64  # hidden size
+T = 16  # tokens
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str
+    fn: Callable
+    make_inputs: Callable[[torch.dtype], tuple]
+    reference: Callable
+    status: str = "rewritten"
+    count: int = 1
+    grads: tuple[int, ...] = ()  # indices of inputs that require grad
+
+    def inputs(self, dtype: torch.dtype) -> tuple:
+        torch.manual_seed(0)
+        args = self.make_inputs(dtype)
+        return tuple(a.detach().requires_grad_(i in self.grads) if a.is_floating_point() else a for i, a in enumerate(args))
+
+
+def _x_w(dtype):
+    return (torch.randn(2, T, D) * 3).to(dtype), (1 + 0.2 * torch.randn(D)).to(dtype)
+
+
+def _gemma_w(dtype):
+    return (torch.randn(2, T, D) * 3).to(dtype), (0.2 * torch.randn(D)).to(dtype)
+
+
+# -- RMSNorm --------------------------------------------------------------------------------
+def norm_llama(x, w):  # HF Llama: rounds x_norm, then a bf16 weight multiply
+    xf = x.to(torch.float32)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * y.to(x.dtype)
+
+
+def norm_spelled(x, w):  # square, sum / D, 1 / sqrt, weight on the right, .float(), positive dim
+    xf = x.float()
+    inv = 1 / torch.sqrt(xf.square().sum(dim=2, keepdim=True) / D + EPS)
+    return (inv * xf).type_as(x) * w
+
+
+def norm_pow(x, w):  # x * x, pow(-0.5), type_as
+    xf = x.to(torch.float32)
+    y = xf * (xf * xf).mean(-1, keepdim=True).add(EPS).pow(-0.5)
+    return y.type_as(x) * w
+
+
+def norm_div(x, w):  # x / sqrt(...)
+    xf = x.float()
+    return w * (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def norm_bf16(x, w):  # no upcast at all: every op rounds
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
+
+
+def norm_gemma_aligned(x, w):  # HF Gemma: fp32 through (1 + w), one rounding
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return (y * (1.0 + w.float())).type_as(x)
+
+
+def norm_gemma_rounding(x, w):  # (1 + w) form rounding x_norm first
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return y.to(x.dtype) * (1 + w)
+
+
+def norm_weightless(x):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def norm_weightless_bf16(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def residual_norm_hf(h, r, w):  # HF decoder layer: bf16 add, norm of the rounded sum
+    s = r + h
+    sf = s.to(torch.float32)
+    y = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + EPS)
+    return s, w * y.to(h.dtype)
+
+
+# -- SwiGLU / GeGLU -------------------------------------------------------------------------
+def _g_u(dtype):
+    return (torch.randn(2, T, 2 * D) * 2).to(dtype), (torch.randn(2, T, 2 * D) * 2).to(dtype)
+
+
+def _gu(dtype):
+    return ((torch.randn(2, T, 4 * D) * 2).to(dtype),)
+
+
+def glu_silu(g, u):
+    return F.silu(g) * u
+
+
+_silu_module = torch.nn.SiLU()
+
+
+def glu_module_commuted(g, u):
+    return u * _silu_module(g)
+
+
+def glu_sigmoid(g, u):
+    return g * torch.sigmoid(g) * u
+
+
+def glu_fused_chunk(gu):  # fused gate_up, gate first
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def glu_fused_split_up_first(gu):  # fused gate_up, up first (Phi3 spells up * act(gate))
+    u, g = gu.split(2 * D, dim=-1)
+    return u * F.silu(g)
+
+
+def glu_gelu_tanh(g, u):  # Gemma's GeGLU
+    return F.gelu(g, approximate="tanh") * u
+
+
+# -- RoPE -----------------------------------------------------------------------------------
+HEADS, HEAD_DIM = 4, 32
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _cos_sin(dtype, dim=HEAD_DIM):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = torch.arange(T).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _q_cos_sin(dtype):
+    q = torch.randn(2, HEADS, T, HEAD_DIM).to(dtype)
+    return (q, *_cos_sin(dtype))
+
+
+def rope_neox(q, cos, sin):
+    return q * cos + _rotate_half(q) * sin
+
+
+def rope_neox_commuted(q, cos, sin):
+    return sin * _rotate_half(q) + cos * q
+
+
+def _interleaved_cos_sin(dtype):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    freqs = torch.arange(T).float()[:, None] * inv_freq[None, :]
+    emb = freqs.repeat_interleave(2, dim=-1)
+    q = torch.randn(2, HEADS, T, HEAD_DIM).to(dtype)
+    return q, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_gptj(q, cos, sin):
+    x1, x2 = q[..., ::2], q[..., 1::2]
+    return q * cos + torch.stack((-x2, x1), dim=-1).flatten(-2) * sin
+
+
+ROT = HEAD_DIM // 2
+
+
+def _partial(dtype):
+    q = torch.randn(2, HEADS, T, HEAD_DIM).to(dtype)
+    return (q, *_cos_sin(dtype, ROT))
+
+
+def rope_partial(q, cos, sin):
+    q_rot, q_pass = q[..., :ROT], q[..., ROT:]
+    return torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q_pass), dim=-1)
+
+
+def _q_k_positions(dtype):
+    q = torch.randn(2, HEADS, T, HEAD_DIM).to(dtype)
+    k = torch.randn(2, HEADS, T, HEAD_DIM).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    return q, k, inv_freq, torch.arange(T)
+
+
+def rope_hf(q, k, inv_freq, positions):
+    """HF's rotary: cos/sin computed in fp32, rounded to the activation dtype, used by q and k."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rope_hf_reference(q, k, inv_freq, positions):
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return ref.rope(q, emb.cos(), emb.sin()), ref.rope(k, emb.cos(), emb.sin())
+
+
+CASES = [
+    Case("norm_llama", "rmsnorm", norm_llama, _x_w, ref.rmsnorm, grads=(0, 1)),
+    Case("norm_spelled", "rmsnorm", norm_spelled, _x_w, ref.rmsnorm, grads=(0, 1)),
+    Case("norm_pow", "rmsnorm", norm_pow, _x_w, ref.rmsnorm, grads=(0, 1)),
+    Case("norm_div", "rmsnorm", norm_div, _x_w, ref.rmsnorm, grads=(0, 1)),
+    Case("norm_bf16", "rmsnorm", norm_bf16, _x_w, ref.rmsnorm, grads=(0, 1)),
+    Case("norm_gemma_rounding", "rmsnorm", norm_gemma_rounding, _gemma_w,
+         lambda x, w: ref.rmsnorm(x, w, gemma=True), grads=(0, 1)),
+    Case("norm_gemma_aligned", "rmsnorm", norm_gemma_aligned, _gemma_w,
+         lambda x, w: ref.rmsnorm(x, w, gemma=True), status="already_aligned", grads=(0, 1)),
+    Case("norm_weightless", "rmsnorm", norm_weightless, lambda d: _x_w(d)[:1], ref.rmsnorm,
+         status="already_aligned", grads=(0,)),
+    Case("norm_weightless_bf16", "rmsnorm", norm_weightless_bf16, lambda d: _x_w(d)[:1], ref.rmsnorm, grads=(0,)),
+    Case("residual_norm_hf", "residual_rmsnorm", residual_norm_hf,
+         lambda d: (*_x_w(d)[:1], (torch.randn(2, T, D) * 3).to(d), _x_w(d)[1]),
+         ref.residual_rmsnorm, grads=(0, 1, 2)),
+    Case("glu_silu", "swiglu", glu_silu, _g_u, ref.gated, grads=(0, 1)),
+    Case("glu_module_commuted", "swiglu", glu_module_commuted, _g_u, ref.gated, grads=(0, 1)),
+    # The rewrite moves roundings only; it keeps the fp32 formula as written (x * sigmoid(x)).
+    Case("glu_sigmoid", "swiglu", glu_sigmoid, _g_u, lambda g, u: ref.gated(g, u, "x_sigmoid"), grads=(0, 1)),
+    Case("glu_fused_chunk", "swiglu", glu_fused_chunk, _gu,
+         lambda gu: ref.gated(*gu.chunk(2, dim=-1)), grads=(0,)),
+    Case("glu_fused_split_up_first", "swiglu", glu_fused_split_up_first, _gu,
+         lambda gu: ref.gated(*reversed(gu.split(2 * D, dim=-1))), grads=(0,)),
+    Case("glu_gelu_tanh", "swiglu", glu_gelu_tanh, _g_u, lambda g, u: ref.gated(g, u, "gelu_tanh"), grads=(0, 1)),
+    Case("rope_neox", "rope", rope_neox, _q_cos_sin, ref.rope, grads=(0, 1, 2)),
+    Case("rope_neox_commuted", "rope", rope_neox_commuted, _q_cos_sin, ref.rope, grads=(0, 1, 2)),
+    Case("rope_gptj", "rope", rope_gptj, _interleaved_cos_sin,
+         lambda q, c, s: ref.rope(q, c, s, style="gptj"), grads=(0, 1, 2)),
+    Case("rope_partial", "rope", rope_partial, _partial,
+         lambda q, c, s: ref.rope(q, c, s, rotary_dim=ROT), grads=(0, 1, 2)),
+    Case("rope_hf_fp32_cos_sin", "rope", rope_hf, _q_k_positions, rope_hf_reference, count=2, grads=(0, 1)),
+]
