@@ -212,6 +212,8 @@ def align(gm: GraphModule, options: Options, name: str = "graph") -> GraphReport
     matches, skipped, misses = find_sites(graph, options.sites)
     report = GraphReport(graph=name)
 
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    matches.sort(key=lambda m: position[m.anchor])
     names = {m: tuple(n.name for n in graph.nodes if n in m.nodes) for m in matches}
     names.update({m: tuple(n.name for n in graph.nodes if n in m.nodes) for m, _ in skipped})
     skipped = [(m, reason, _site_dtype(m)) for m, reason in skipped]
@@ -243,6 +245,8 @@ def align(gm: GraphModule, options: Options, name: str = "graph") -> GraphReport
 
     for match, reason, dtype in skipped:
         report.sites.append(_site_report(match, "skipped", dtype, reason, names[match]))
+    order = {m.anchor.name: position[m.anchor] for m in matches} | {m.anchor.name: position[m.anchor] for m, _, _ in skipped}
+    report.sites.sort(key=lambda s: order[s.anchor])
     for miss in misses:
         report.near_misses.append(NearMiss(miss.kind, miss.anchor.name, fx.module_path(miss.anchor), miss.reason))
 
