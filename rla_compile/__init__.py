@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .backend import Backend, backend, rla_backend  # noqa: E402
+from .backend import Backend, Rewrite, backend, inspect, rla_backend  # noqa: E402
 from .config import OptionError, Options  # noqa: E402
 from .engine import align  # noqa: E402
 from .report import GraphReport, NearMiss, SiteReport  # noqa: E402
@@ -21,11 +21,13 @@ __all__ = [
     "GraphReport",
     "NearMiss",
     "OptionError",
+    "Rewrite",
     "Options",
     "SITE_KINDS",
     "SiteReport",
     "align",
     "backend",
+    "inspect",
     "rla_backend",
     "__version__",
 ]

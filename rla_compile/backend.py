@@ -15,6 +15,7 @@ the site roundings, which covers rla's code and options.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from .engine import align, is_site_rounding
 from .printer import format_graph
 from .report import GraphReport
 
-__all__ = ["Backend", "backend", "rla_backend", "PinSiteRounding"]
+__all__ = ["Backend", "Rewrite", "backend", "inspect", "rla_backend", "PinSiteRounding"]
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +75,39 @@ def _graph_name() -> str:
     return str(compile_id) if compile_id is not None else "graph"
 
 
-class Backend:
-    """A torch.compile backend with rla's options; `.reports` has one report per graph."""
+@dataclass
+class Rewrite:
+    """One compiled graph: its report and its stable text before and after the rewrite."""
 
-    def __init__(self, options: Options):
+    report: GraphReport
+    before: str
+    after: str
+
+
+class Backend:
+    """A torch.compile backend with rla's options; `.reports` has one report per graph.
+
+    With `keep_graphs=True`, `.rewrites` also keeps each graph's text before and after.
+    """
+
+    def __init__(self, options: Options, keep_graphs: bool = False):
         self.options = options
+        self.keep_graphs = keep_graphs
         self.reports: list[GraphReport] = []
+        self.rewrites: list[Rewrite] = []
 
     def __repr__(self) -> str:
         return f"rla_compile.Backend({self.options})"
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         aten_gm = _pre_dispatch(gm, example_inputs)
-        before = format_graph(aten_gm) if self.options.debug_dir else ""
+        keep = self.keep_graphs or self.options.debug_dir is not None
+        before = format_graph(aten_gm) if keep else ""
         report = align(aten_gm, self.options, name=_graph_name())
         self.reports.append(report)
         log.info("%s", report.summary())
+        if self.keep_graphs:
+            self.rewrites.append(Rewrite(report, before, format_graph(aten_gm)))
         if self.options.debug_dir is not None:
             from .debug import dump
 
@@ -128,6 +146,21 @@ def backend(options: Options | dict | None = None, **kwargs: Any) -> Backend:
             raise TypeError("pass either an Options object or keyword options, not both")
         return Backend(options)
     return Backend(Options.from_dict({**(options or {}), **kwargs}))
+
+
+def inspect(fn: Callable, *example_inputs: Any, **options: Any) -> Rewrite:
+    """Trace `fn` (a function or module) on the inputs, align it, and return the first graph's
+    report with its text before and after. Runs the rewritten graph once on eager kernels."""
+    options.setdefault("inner", "aot_eager")
+    be = Backend(Options.from_dict(options), keep_graphs=True)
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=be, fullgraph=True)(*example_inputs)
+    finally:
+        torch._dynamo.reset()
+    if not be.rewrites:
+        raise RuntimeError(f"torch.compile produced no graph for {fn!r}: nothing to inspect")
+    return be.rewrites[0]
 
 
 def rla_backend(gm: GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None) -> Callable:

@@ -132,12 +132,14 @@ class _Rewriter:
             result = value
         else:
             with self.graph.inserting_after(value):
-                result = self._cast(value, torch.float32)
+                result = self._cast(value, torch.float32, f"{value.name}_fp32")
         self.fp32[value] = result
         return result
 
-    def _cast(self, value: Node, dtype: torch.dtype) -> Node:
-        node = self.graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": dtype})
+    def _cast(self, value: Node, dtype: torch.dtype, name: str) -> Node:
+        node = self.graph.create_node(
+            "call_function", torch.ops.aten._to_copy.default, (value,), {"dtype": dtype}, name=name
+        )
         node.meta.update({k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")})
         node.meta["val"] = value.meta["val"].to(dtype)
         return node
@@ -174,7 +176,7 @@ class _Rewriter:
             value = fp32_value[node]
             if dtype_before[node] in fx.LOW_PRECISION:
                 with self.graph.inserting_after(value):
-                    rounded = self._cast(value, dtype_before[node])
+                    rounded = self._cast(value, dtype_before[node], f"{node.name}_rounded")
                 _tag_rounding(rounded, match.kind)
             else:
                 rounded = value
@@ -262,7 +264,12 @@ def align(gm: GraphModule, options: Options, name: str = "graph") -> GraphReport
 def _site_report(
     match: Match, status: str, dtype: torch.dtype, reason: str, nodes: tuple[str, ...]
 ) -> SiteReport:
-    module, source = _where(match.anchor)
+    # Where the site's result is computed (the weight multiply, the gated product, RoPE's add)
+    # names the user's line better than the anchor deep inside it.
+    last = max(match.nodes, key=lambda n: nodes.index(n.name) if n.name in nodes else -1)
+    module, source = _where(last)
+    if not module:
+        module = fx.module_path(match.anchor)
     return SiteReport(
         kind=match.kind,
         status=status,

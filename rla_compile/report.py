@@ -76,14 +76,15 @@ class GraphReport:
         return line + (f" ({self.note})" if self.note else "")
 
     def __str__(self) -> str:
-        header = ("kind", "status", "variant", "dtype", "where", "reason")
+        header = ("kind", "status", "variant", "dtype", "module", "source", "reason")
         rows = [
             (
                 s.kind,
                 s.status,
                 s.variant,
                 s.dtype.replace("bfloat16", "bf16").replace("float16", "fp16").replace("float32", "fp32"),
-                s.module or s.source or s.anchor,
+                s.module or "-",
+                s.source or s.anchor,
                 s.reason,
             )
             for s in self.sites

@@ -115,6 +115,11 @@ class RoPEMatcher:
         else:
             gptj = _rotate_interleaved(anchor)
             if gptj is None:
+                tensors = anchor.args[0] if anchor.args else ()
+                if isinstance(tensors, (list, tuple)) and any(fx.is_op(t, "neg") for t in tensors):
+                    where = f"{anchor.name} at {fx.module_path(anchor) or 'top level'}"
+                    return Miss(self.kind, anchor, f"{where}: {fx.op_name(anchor)} of a negated slice is not "
+                                "a rotation (want cat(-x[..., h:], x[..., :h]) or stack(-x[..., 1::2], x[..., ::2]))")
                 return None
             x, rotated, nodes, variant = gptj
         where = f"{anchor.name} at {fx.module_path(anchor) or 'top level'}"

@@ -1,0 +1,99 @@
+"""Golden text of each site's rewritten graph, printed by rla's own stable printer.
+Regenerate with EXPECTTEST_ACCEPT=1 after an intended change, and read the diff."""
+
+from __future__ import annotations
+
+import expecttest
+import torch
+
+import rla_compile
+from site_cases import CASES
+
+BY_NAME = {c.name: c for c in CASES}
+
+
+def _after(name: str) -> str:
+    case = BY_NAME[name]
+    return rla_compile.inspect(case.fn, *case.inputs(torch.bfloat16)).after
+
+
+class GoldenGraphs(expecttest.TestCase):
+    def test_rmsnorm(self):
+        self.assertExpectedInline(_after("norm_llama"), """\
+%arg0_1: bf16[2, 16, 64] = input
+%arg0_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg0_1, dtype=fp32)
+%arg1_1: bf16[64] = input
+%arg1_1_fp32: fp32[64] = aten._to_copy.default(%arg1_1, dtype=fp32)
+%pow_1: fp32[2, 16, 64] = aten.pow.Tensor_Scalar(%arg0_1_fp32, 2)
+%mean: fp32[2, 16, 1] = aten.mean.dim(%pow_1, [-1], True)
+%add: fp32[2, 16, 1] = aten.add.Tensor(%mean, 1e-06)
+%rsqrt: fp32[2, 16, 1] = aten.rsqrt.default(%add)
+%mul: fp32[2, 16, 64] = aten.mul.Tensor(%arg0_1_fp32, %rsqrt)
+%mul_1: fp32[2, 16, 64] = aten.mul.Tensor(%arg1_1_fp32, %mul)
+%mul_1_rounded: bf16[2, 16, 64] = aten._to_copy.default(%mul_1, dtype=bf16)  # rla: round rmsnorm
+return [%mul_1_rounded]""")
+
+    def test_residual_rmsnorm(self):
+        self.assertExpectedInline(_after("residual_norm_hf"), """\
+%arg0_1: bf16[2, 16, 64] = input
+%arg0_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg0_1, dtype=fp32)
+%arg1_1: bf16[2, 16, 64] = input
+%arg1_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg1_1, dtype=fp32)
+%arg2_1: bf16[64] = input
+%arg2_1_fp32: fp32[64] = aten._to_copy.default(%arg2_1, dtype=fp32)
+%add: fp32[2, 16, 64] = aten.add.Tensor(%arg0_1_fp32, %arg1_1_fp32)
+%add_rounded: bf16[2, 16, 64] = aten._to_copy.default(%add, dtype=bf16)  # rla: round residual_rmsnorm
+%pow_1: fp32[2, 16, 64] = aten.pow.Tensor_Scalar(%add, 2)
+%mean: fp32[2, 16, 1] = aten.mean.dim(%pow_1, [-1], True)
+%add_1: fp32[2, 16, 1] = aten.add.Tensor(%mean, 1e-06)
+%rsqrt: fp32[2, 16, 1] = aten.rsqrt.default(%add_1)
+%mul: fp32[2, 16, 64] = aten.mul.Tensor(%add, %rsqrt)
+%mul_1: fp32[2, 16, 64] = aten.mul.Tensor(%arg2_1_fp32, %mul)
+%mul_1_rounded: bf16[2, 16, 64] = aten._to_copy.default(%mul_1, dtype=bf16)  # rla: round residual_rmsnorm
+return [%add_rounded, %mul_1_rounded]""")
+
+    def test_swiglu_fused(self):
+        self.assertExpectedInline(_after("glu_fused_chunk"), """\
+%arg0_1: bf16[2, 16, 256] = input
+%chunk = aten.chunk.default(%arg0_1, 2, -1)
+%getitem: bf16[2, 16, 128] = getitem(%chunk, 0)
+%getitem_fp32: fp32[2, 16, 128] = aten._to_copy.default(%getitem, dtype=fp32)
+%getitem_1: bf16[2, 16, 128] = getitem(%chunk, 1)
+%getitem_1_fp32: fp32[2, 16, 128] = aten._to_copy.default(%getitem_1, dtype=fp32)
+%silu: fp32[2, 16, 128] = aten.silu.default(%getitem_fp32)
+%mul: fp32[2, 16, 128] = aten.mul.Tensor(%silu, %getitem_1_fp32)
+%mul_rounded: bf16[2, 16, 128] = aten._to_copy.default(%mul, dtype=bf16)  # rla: round swiglu
+return [%mul_rounded]""")
+
+    def test_rope_with_fp32_cos_sin(self):
+        self.assertExpectedInline(_after("rope_hf_fp32_cos_sin"), """\
+%arg0_1: i64[16] = input
+%arg1_1: fp32[16] = input
+%arg2_1: bf16[2, 4, 16, 32] = input
+%arg2_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg2_1, dtype=fp32)
+%arg3_1: bf16[2, 4, 16, 32] = input
+%arg3_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg3_1, dtype=fp32)
+%unsqueeze: i64[16, 1] = aten.unsqueeze.default(%arg0_1, 1)
+%to: fp32[16, 1] = aten.to.dtype(%unsqueeze, fp32)
+%unsqueeze_1: fp32[1, 16] = aten.unsqueeze.default(%arg1_1, 0)
+%mul: fp32[16, 16] = aten.mul.Tensor(%to, %unsqueeze_1)
+%cat: fp32[16, 32] = aten.cat.default([%mul, %mul], -1)
+%cos: fp32[16, 32] = aten.cos.default(%cat)
+%sin: fp32[16, 32] = aten.sin.default(%cat)
+%mul_1: fp32[2, 4, 16, 32] = aten.mul.Tensor(%arg2_1_fp32, %cos)
+%slice_1: fp32[2, 4, 16, 16] = aten.slice.Tensor(%arg2_1_fp32, 3, 0, 16)
+%slice_2: fp32[2, 4, 16, 16] = aten.slice.Tensor(%arg2_1_fp32, 3, 16, 9223372036854775807)
+%neg: fp32[2, 4, 16, 16] = aten.neg.default(%slice_2)
+%cat_1: fp32[2, 4, 16, 32] = aten.cat.default([%neg, %slice_1], -1)
+%mul_2: fp32[2, 4, 16, 32] = aten.mul.Tensor(%cat_1, %sin)
+%add: fp32[2, 4, 16, 32] = aten.add.Tensor(%mul_1, %mul_2)
+%add_rounded: bf16[2, 4, 16, 32] = aten._to_copy.default(%add, dtype=bf16)  # rla: round rope
+%mul_3: fp32[2, 4, 16, 32] = aten.mul.Tensor(%arg3_1_fp32, %cos)
+%slice_3: fp32[2, 4, 16, 16] = aten.slice.Tensor(%arg3_1_fp32, 3, 0, 16)
+%slice_4: fp32[2, 4, 16, 16] = aten.slice.Tensor(%arg3_1_fp32, 3, 16, 9223372036854775807)
+%neg_1: fp32[2, 4, 16, 16] = aten.neg.default(%slice_4)
+%cat_2: fp32[2, 4, 16, 32] = aten.cat.default([%neg_1, %slice_3], -1)
+%mul_4: fp32[2, 4, 16, 32] = aten.mul.Tensor(%cat_2, %sin)
+%add_1: fp32[2, 4, 16, 32] = aten.add.Tensor(%mul_3, %mul_4)
+%add_1_rounded: bf16[2, 4, 16, 32] = aten._to_copy.default(%add_1, dtype=bf16)  # rla: round rope
+return [%add_rounded, %add_1_rounded]""")
