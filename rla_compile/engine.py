@@ -17,7 +17,6 @@ backend, before autograd) and on Inductor's post-grad ATen (vLLM) alike.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -29,8 +28,6 @@ from .report import GraphReport, NearMiss, SiteReport
 from .sites import MATCHERS, Match, Miss
 
 __all__ = ["align", "find_sites", "ROUNDING_TAG", "is_site_rounding"]
-
-log = logging.getLogger(__name__)
 
 ROUNDING_TAG = "rla_round"  # node.meta["custom"][ROUNDING_TAG] = site kind, on every output rounding
 
@@ -257,7 +254,6 @@ def align(gm: GraphModule, options: Options, name: str = "graph") -> GraphReport
     if any(s.status == "rewritten" for s in report.sites):
         graph.lint()
         gm.recompile()
-    log.debug("%s", report.summary())
     return report
 
 
