@@ -10,7 +10,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .backend import Backend, Rewrite, backend, inspect, rla_backend  # noqa: E402
+from .backend import Backend, backend, inspect, rla_backend  # noqa: E402
+from .debug import Rewrite  # noqa: E402
 from .config import OptionError, Options  # noqa: E402
 from .engine import align  # noqa: E402
 from .report import GraphReport, NearMiss, SiteReport  # noqa: E402

@@ -15,7 +15,6 @@ the site roundings, which covers rla's code and options.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,10 +26,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .config import Options
 from .engine import align, is_site_rounding
+from .debug import Rewrite, dump, python_source, trace_artifacts, tracing
 from .printer import format_graph
 from .report import GraphReport
 
-__all__ = ["Backend", "Rewrite", "backend", "inspect", "rla_backend", "PinSiteRounding"]
+__all__ = ["Backend", "backend", "inspect", "rla_backend", "PinSiteRounding"]
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,6 @@ def _graph_name() -> str:
     return str(compile_id) if compile_id is not None else "graph"
 
 
-@dataclass
-class Rewrite:
-    """One compiled graph: its report and its stable text before and after the rewrite."""
-
-    report: GraphReport
-    before: str
-    after: str
-
-
 class Backend:
     """A torch.compile backend with rla's options; `.reports` has one report per graph.
 
@@ -101,17 +92,18 @@ class Backend:
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         aten_gm = _pre_dispatch(gm, example_inputs)
-        keep = self.keep_graphs or self.options.debug_dir is not None
-        before = format_graph(aten_gm) if keep else ""
+        keep = self.keep_graphs or self.options.debug_dir is not None or tracing()
+        before = (format_graph(aten_gm), python_source(aten_gm)) if keep else None
         report = align(aten_gm, self.options, name=_graph_name())
         self.reports.append(report)
         log.info("%s", report.summary())
-        if self.keep_graphs:
-            self.rewrites.append(Rewrite(report, before, format_graph(aten_gm)))
-        if self.options.debug_dir is not None:
-            from .debug import dump
-
-            dump(self.options.debug_dir, report, before, aten_gm)
+        if before is not None:
+            rewrite = Rewrite(report, before[0], format_graph(aten_gm), before[1], python_source(aten_gm))
+            if self.keep_graphs:
+                self.rewrites.append(rewrite)
+            if self.options.debug_dir is not None:
+                dump(self.options.debug_dir, rewrite)
+            trace_artifacts(rewrite)
         return self._compile(aten_gm, example_inputs, kwargs.get("mode"))
 
     def _compile(self, gm: GraphModule, example_inputs: Sequence[Any], mode: str | None) -> Callable:

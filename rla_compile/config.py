@@ -33,14 +33,15 @@ class Options:
         emulate_precision_casts). Off by default: see docs/options.md for the measurements.
         The sites' own output roundings are pinned either way.
     debug: a directory to dump graphs and reports into, or True for ./rla_debug
-        (False: no dump). Debug never changes the rewrite.
+        (False: no dump). Debug never changes the rewrite. When not given, the environment
+        variable RLA_DEBUG maps onto it (a directory, or 1 for ./rla_debug).
     inductor: extra Inductor config patches, passed through to compile_fx.
     """
 
     sites: frozenset[str] = frozenset(SITE_KINDS)
     inner: str = "inductor"
     pin_rounding: bool = False
-    debug: str | bool = False
+    debug: str | bool | None = None
     inductor: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +64,9 @@ class Options:
             )
         if not isinstance(self.pin_rounding, bool):
             raise OptionError(f"option 'pin_rounding' must be True or False, got {self.pin_rounding!r}")
+        if self.debug is None:
+            env = os.environ.get("RLA_DEBUG", "")
+            object.__setattr__(self, "debug", True if env == "1" else (env or False))
         if not isinstance(self.debug, (bool, str, os.PathLike)):
             raise OptionError(f"option 'debug' must be True/False or a directory, got {self.debug!r}")
         if not isinstance(self.inductor, Mapping):
@@ -84,7 +88,7 @@ class Options:
 
     @property
     def debug_dir(self) -> Path | None:
-        if self.debug is False or self.debug == "":
+        if self.debug is False or self.debug in ("", "0"):
             return None
         return Path("rla_debug") if self.debug is True else Path(self.debug)
 

@@ -1,42 +1,104 @@
-"""Debug dumps: one folder per compiled graph, an index first.
+"""Debug output: one folder per compiled graph, an index first, and torch's own channels.
 
-    <dir>/index.txt                 one line per graph: folder, summary
-    <dir>/<graph>/before.txt        the pre-dispatch ATen graph before the rewrite
-    <dir>/<graph>/after.txt         after it (site roundings marked `# rla: round <kind>`)
-    <dir>/<graph>/diff.txt          unified diff of the two
-    <dir>/<graph>/report.txt/.json  the site report
+    <dir>/index.txt                 one line per graph, in compile order: folder, summary
+    <dir>/<graph>/before.py         the pre-dispatch ATen graph before the rewrite, as Python
+                                    (dtype and shape on every node)
+    <dir>/<graph>/after.py          the same after it
+    <dir>/<graph>/before.txt        rla's stable one-line-per-node form, before ...
+    <dir>/<graph>/after.txt         ... and after (site roundings marked `# rla: round <kind>`)
+    <dir>/<graph>/diff.txt          unified diff of the two .txt files
+    <dir>/<graph>/report.txt        the site table and near misses
+    <dir>/<graph>/report.json       the same, as JSON
+
+The same report and graphs go to `TORCH_TRACE` (tlparse) as artifacts `rla_report`,
+`rla_graph_before` and `rla_graph_after`; `TORCH_LOGS=+rla_compile` shows the summary lines.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.fx import GraphModule
 
-from .printer import format_graph
 from .report import GraphReport
 
-__all__ = ["dump"]
+__all__ = ["Rewrite", "dump", "python_source", "trace_artifacts", "tracing"]
 
 
-def dump(directory: Path, report: GraphReport, before: str, after: GraphModule) -> Path:
-    folder_name = "graph_" + re.sub(r"[^0-9A-Za-z_.-]+", "_", report.graph).strip("_")
-    folder = Path(directory) / folder_name
-    folder.mkdir(parents=True, exist_ok=True)
-    after_text = format_graph(after)
-    (folder / "before.txt").write_text(before + "\n")
-    (folder / "after.txt").write_text(after_text + "\n")
-    diff = difflib.unified_diff(
-        before.splitlines(keepends=True) and [l + "\n" for l in before.splitlines()],
-        [l + "\n" for l in after_text.splitlines()],
-        fromfile="before.txt",
-        tofile="after.txt",
-    )
-    (folder / "diff.txt").write_text("".join(diff))
-    (folder / "report.txt").write_text(str(report) + "\n")
-    (folder / "report.json").write_text(report.to_json() + "\n")
-    with open(Path(directory) / "index.txt", "a") as index:
-        index.write(f"{folder_name}\t{report.summary()}\n")
+@dataclass(frozen=True)
+class Rewrite:
+    """One compiled graph: its report, and its text before and after the rewrite (rla's
+    stable form in `before`/`after`, torch's Python form in `before_py`/`after_py`)."""
+
+    report: GraphReport
+    before: str
+    after: str
+    before_py: str
+    after_py: str
+
+
+def python_source(gm: GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
+
+
+def _folder(directory: Path, graph: str) -> Path:
+    base = "graph_" + re.sub(r"[^0-9A-Za-z_.-]+", "_", graph).strip("_")
+    folder, n = directory / base, 1
+    while folder.exists():  # compile ids restart after torch._dynamo.reset(): never overwrite
+        folder, n = directory / f"{base}-{n}", n + 1
     return folder
+
+
+def dump(directory: Path, material: Rewrite) -> Path:
+    directory = Path(directory)
+    folder = _folder(directory, material.report.graph)
+    folder.mkdir(parents=True)
+    files = {
+        "before.py": material.before_py,
+        "after.py": material.after_py,
+        "before.txt": material.before,
+        "after.txt": material.after,
+        "diff.txt": "".join(
+            difflib.unified_diff(
+                [line + "\n" for line in material.before.splitlines()],
+                [line + "\n" for line in material.after.splitlines()],
+                fromfile="before.txt",
+                tofile="after.txt",
+            )
+        ),
+        "report.txt": str(material.report),
+        "report.json": material.report.to_json(),
+    }
+    for name, text in files.items():
+        (folder / name).write_text(text if text.endswith("\n") or not text else text + "\n")
+    with open(directory / "index.txt", "a") as index:
+        index.write(f"{folder.name}\t{material.report.summary()}\n")
+    return folder
+
+
+def trace_artifacts(material: Rewrite) -> None:
+    """Send the report and graphs to TORCH_TRACE (a no-op unless tracing is on)."""
+    from torch._logging import trace_structured
+
+    for name, encoding, payload in (
+        ("rla_report", "json", material.report.to_json),
+        ("rla_graph_before", "string", lambda: material.before),
+        ("rla_graph_after", "string", lambda: material.after),
+    ):
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda name=name, encoding=encoding: {"name": name, "encoding": encoding},
+            payload_fn=payload,
+        )
+
+
+def tracing() -> bool:
+    """Whether TORCH_TRACE is collecting (so rendering graphs is worth it)."""
+    from torch._logging._internal import trace_log
+
+    return bool(trace_log.handlers)
+
+

@@ -91,6 +91,7 @@ class _Rewriter:
         self.graph = graph
         self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
         self.fp32: dict[Node, Node] = {}  # low-precision value -> its fp32 version
+        self._input_casts_end: Node | None = None  # last upcast of a graph input
 
     # -- inputs -------------------------------------------------------------------------
     def bypassable(self, value: Node) -> Node | None:
@@ -128,8 +129,13 @@ class _Rewriter:
                 _set_dtype(view, torch.float32)
             result = value
         else:
-            with self.graph.inserting_after(value):
+            after = value
+            if value.op == "placeholder":  # keep the inputs together at the top of the graph
+                after = self._input_casts_end or list(self.graph.find_nodes(op="placeholder"))[-1]
+            with self.graph.inserting_after(after):
                 result = self._cast(value, torch.float32, f"{value.name}_fp32")
+            if value.op == "placeholder":
+                self._input_casts_end = result
         self.fp32[value] = result
         return result
 

@@ -21,8 +21,8 @@ class GoldenGraphs(expecttest.TestCase):
     def test_rmsnorm(self):
         self.assertExpectedInline(_after("norm_llama"), """\
 %arg0_1: bf16[2, 16, 64] = input
-%arg0_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg0_1, dtype=fp32)
 %arg1_1: bf16[64] = input
+%arg0_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg0_1, dtype=fp32)
 %arg1_1_fp32: fp32[64] = aten._to_copy.default(%arg1_1, dtype=fp32)
 %pow_1: fp32[2, 16, 64] = aten.pow.Tensor_Scalar(%arg0_1_fp32, 2)
 %mean: fp32[2, 16, 1] = aten.mean.dim(%pow_1, [-1], True)
@@ -36,10 +36,10 @@ return [%mul_1_rounded]""")
     def test_residual_rmsnorm(self):
         self.assertExpectedInline(_after("residual_norm_hf"), """\
 %arg0_1: bf16[2, 16, 64] = input
-%arg0_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg0_1, dtype=fp32)
 %arg1_1: bf16[2, 16, 64] = input
-%arg1_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg1_1, dtype=fp32)
 %arg2_1: bf16[64] = input
+%arg0_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg0_1, dtype=fp32)
+%arg1_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg1_1, dtype=fp32)
 %arg2_1_fp32: fp32[64] = aten._to_copy.default(%arg2_1, dtype=fp32)
 %add: fp32[2, 16, 64] = aten.add.Tensor(%arg0_1_fp32, %arg1_1_fp32)
 %add_rounded: bf16[2, 16, 64] = aten._to_copy.default(%add, dtype=bf16)  # rla: round residual_rmsnorm
@@ -70,8 +70,8 @@ return [%mul_rounded]""")
 %arg0_1: i64[16] = input
 %arg1_1: fp32[16] = input
 %arg2_1: bf16[2, 4, 16, 32] = input
-%arg2_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg2_1, dtype=fp32)
 %arg3_1: bf16[2, 4, 16, 32] = input
+%arg2_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg2_1, dtype=fp32)
 %arg3_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg3_1, dtype=fp32)
 %unsqueeze: i64[16, 1] = aten.unsqueeze.default(%arg0_1, 1)
 %to: fp32[16, 1] = aten.to.dtype(%unsqueeze, fp32)
