@@ -67,7 +67,18 @@ def _pre_dispatch(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule
         return torch.fx.Interpreter(gm).run(*args)
 
     with fake_mode, fx_traceback.preserve_node_meta():
-        return make_fx(run, tracing_mode="real", pre_dispatch=True)(*fake)
+        return make_fx(run, tracing_mode="real", pre_dispatch=True, decomposition_table=_opaque_sites())(*fake)
+
+
+def _opaque_sites() -> dict:
+    """Ops that would hide a site inside one node at pre-dispatch level, decomposed into their
+    own math (torch's own decompositions) so the matchers see them: `F.rms_norm` /
+    `nn.RMSNorm` trace as one `aten.rms_norm` (then `_fused_rms_norm`) otherwise."""
+    from torch._decomp import core_aten_decompositions, decomposition_table
+
+    table = {**core_aten_decompositions(), **decomposition_table}
+    ops = (torch.ops.aten.rms_norm.default, torch.ops.aten._fused_rms_norm.default)
+    return {op: table[op] for op in ops if op in table}
 
 
 def _graph_name() -> str:

@@ -167,8 +167,10 @@ def _clean_module_path(path: str) -> str:
 def source_line(node: Node) -> str:
     """`file.py:123 in fn` of the user code that created the node, when the graph kept it."""
     trace = node.meta.get("stack_trace") or ""
-    for line in reversed(trace.strip().splitlines()):
-        line = line.strip()
+    frames = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")]
+    # The innermost frame outside torch itself: `F.rms_norm(...)` names the caller, not functional.py.
+    outside_torch = [f for f in frames if "/torch/" not in f.split(",")[0]]
+    for line in reversed(outside_torch or frames):
         if line.startswith("File "):
             # File "/path/to/file.py", line 123, in forward
             parts = line.split(",")

@@ -1,7 +1,10 @@
 """RoPE: y = x * cos + rotate(x) * sin, per q and k.
 
 rotate is neox `rotate_half` (cat(-x[..., h:], x[..., :h])) or gptj's interleave
-(stack(-x[..., 1::2], x[..., ::2]).flatten(-2)). Partial rotary needs nothing special: the
+(stack(-x[..., 1::2], x[..., ::2]).flatten(-2)); or the rotation is written out per pair,
+cat(x1*cos - x2*sin, x2*cos + x1*sin) with x1/x2 the even/odd elements (DeepSeek's
+interleave, de-interleaved on output) or the two halves; or it is a complex multiply
+(view_as_complex(x) * freqs_cis, torchtitan / Meta Llama). Partial rotary needs nothing special: the
 rotated slice is the site's input and the pass-through part never enters the region. cos and
 sin are inputs; when the graph computed them in fp32 and rounded them only to feed sites, the
 engine hands the sites the fp32 values (the contract's cast bypass).
@@ -83,6 +86,90 @@ def _rotate_interleaved(stack: Node) -> tuple[Node, Node, set[Node], str] | None
     return x, flat, {stack, neg, neg.args[0], even, flat}, "gptj"
 
 
+def _products(node: object) -> list[tuple[Node, Node]] | None:
+    """a*b +/- c*d -> [(a, b), (c, d)] of tensor operands, else None."""
+    if not fx.is_op(node, "add", "sub") or len(node.args) != 2:
+        return None
+    pairs = []
+    for term in node.args:
+        if not fx.is_op(term, "mul") or len(term.args) != 2 or not all(isinstance(a, Node) for a in term.args):
+            return None
+        pairs.append(tuple(term.args))
+    return pairs
+
+
+def _pair_part(node: Node) -> tuple[Node, str, int] | None:
+    """One half of a pair: (whole, layout, which) for x[..., 0::2] / x[..., 1::2] ("interleaved"),
+    the first/second half of x ("halves"), or xs[..., 0] / xs[..., 1] of xs = x.reshape(..., -1, 2)
+    ("pairs")."""
+    if fx.is_op(node, "select") and len(node.args) == 3:
+        whole, dim, index = node.args
+        shape = fx.shape_of(whole)
+        if shape and dim % len(shape) == len(shape) - 1 and shape[-1] == 2 and index in (0, 1):
+            return whole, "pairs", index
+        return None
+    part = _last_dim_slice(node)
+    if part is None:
+        return None
+    whole, start, end, step = part
+    size = fx.shape_of(whole)[-1]
+    if step == 2 and start in (0, 1):
+        return whole, "interleaved", start
+    if step == 1 and isinstance(size, int) and (start, end) in ((0, size // 2), (size // 2, size)):
+        return whole, "halves", 0 if start == 0 else 1
+    return None
+
+
+def _key(node: Node) -> tuple:
+    """Nodes that compute the same value compare equal (graphs repeat `xs[..., 0]`)."""
+    part = _pair_part(node)
+    return ("part", *part) if part is not None else ("value", fx.strip_casts(node))
+
+
+def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node] | None:
+    """cat/stack([x1*cos - x2*sin, x2*cos + x1*sin]): the rotation written out per pair, x1/x2
+    the even/odd elements (DeepSeek), the two halves, or the two columns of x viewed as pairs
+    (gpt-fast) -> (x, output, nodes, variant, cos, sin)."""
+    tensors = anchor.args[0]
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
+        return None
+    first, second = tensors
+    if not fx.is_op(first, "sub") or not fx.is_op(second, "add"):
+        return None
+    p1, p2 = _products(first), _products(second)
+    if p1 is None or p2 is None:
+        return None
+    for x1, cos in (p1[0], p1[0][::-1]):
+        for x2, sin in (p1[1], p1[1][::-1]):
+            part1, part2 = _pair_part(x1), _pair_part(x2)
+            if part1 is None or part2 is None or part1[:2] != part2[:2] or (part1[2], part2[2]) != (0, 1):
+                continue
+            # the second half must be x2*cos + x1*sin, the same values (possibly other nodes)
+            want = {frozenset((_key(x2), _key(cos))), frozenset((_key(x1), _key(sin)))}
+            if {frozenset(map(_key, t)) for t in p2} == want:
+                break
+        else:
+            continue
+        break
+    else:
+        return None
+    whole, layout = part1[:2]
+    nodes = {anchor, first, second, *first.args, *second.args}
+    nodes |= {t for term in (*first.args, *second.args) for t in term.args if _key(t)[:2] == ("part", whole)}
+    out = anchor
+    if layout == "pairs":  # x.reshape(..., -1, 2) ... stack(-1).flatten(-2)
+        if not fx.is_op(whole, "view", "reshape", "_unsafe_view", "unflatten") or len(anchor.users) != 1:
+            return None
+        (out,) = anchor.users
+        x = whole.args[0]
+        if not fx.is_op(out, "flatten", "view", "reshape", "_unsafe_view") or fx.shape_of(out) != fx.shape_of(x):
+            return None
+        nodes |= {whole, out}
+    else:
+        x = whole
+    return x, out, nodes, layout, cos, sin
+
+
 def _casts(node: Node, source: Node) -> set[Node]:
     found = set()
     while node is not source and fx.is_cast(node):
@@ -101,13 +188,48 @@ def _scaled(value: Node, x: Node) -> tuple[Node, Node] | None:
     return None
 
 
+def _complex_rotation(real: Node) -> tuple[Node, set[Node], Node] | None:
+    """view_as_real(view_as_complex(x.reshape(..., -1, 2)) * freqs).flatten(-2) -> (x, nodes, freqs):
+    torchtitan's and Llama's reference RoPE, a complex multiply (complex64, so fp32 inside)."""
+    product = real.args[0]
+    if not fx.is_op(product, "mul") or len(product.args) != 2:
+        return None
+    as_complex = next((a for a in product.args if fx.is_op(a, "view_as_complex")), None)
+    if as_complex is None:
+        return None
+    freqs = product.args[1] if product.args[0] is as_complex else product.args[0]
+    pairs = as_complex.args[0]
+    if not fx.is_op(pairs, "view", "reshape", "_unsafe_view", "unflatten") or len(real.users) != 1:
+        return None
+    x = pairs.args[0]
+    (flat,) = real.users
+    if not fx.is_op(flat, "flatten", "view", "reshape", "_unsafe_view") or fx.shape_of(flat) != fx.shape_of(x):
+        return None
+    return x, {pairs, as_complex, product, real, flat}, freqs
+
+
 class RoPEMatcher:
     kind = "rope"
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
-        return fx.call_nodes(graph, "cat", "stack")
+        return fx.call_nodes(graph, "cat", "stack", "view_as_real")
 
     def match(self, anchor: Node) -> Match | Miss | None:
+        if fx.is_op(anchor, "view_as_real"):
+            rotation = _complex_rotation(anchor)
+            if rotation is None:
+                return None
+            x, nodes, freqs = rotation
+            source = fx.strip_casts(x)
+            nodes |= _casts(x, source)
+            return Match(self.kind, anchor, frozenset(nodes), "complex", {"x": source, "freqs": freqs})
+        pairs = _rotate_pairs(anchor)
+        if pairs is not None:
+            x, _, nodes, layout, cos, sin = pairs
+            variant = {"interleaved": "interleaved pairs", "halves": "pairs of halves", "pairs": "pairs"}[layout]
+            source = fx.strip_casts(x)
+            nodes |= _casts(x, source)
+            return Match(self.kind, anchor, frozenset(nodes), variant, {"x": source, "cos": cos, "sin": sin})
         neox = _rotate_half(anchor) if fx.is_op(anchor, "cat") else None
         if neox is not None:
             x, nodes, variant = neox
