@@ -51,3 +51,15 @@ def rope(x, cos, sin, style="neox", rotary_dim=None):
     xf = xr.to(torch.float32)
     y = xf * cos.to(torch.float32) + rotate(xf, style) * sin.to(torch.float32)
     return torch.cat((y.to(x.dtype), xp), dim=-1)
+
+
+def rope_pairs(x, cos, sin, layout="interleaved"):
+    """The rotation written per pair: out = cat(x1*cos - x2*sin, x2*cos + x1*sin); x1/x2 the even/odd
+    elements (DeepSeek) or the two halves; cos/sin have half of x's last dim."""
+    xf = x.to(torch.float32)
+    if layout == "interleaved":
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        x1, x2 = xf.chunk(2, dim=-1)
+    c, s = cos.to(torch.float32), sin.to(torch.float32)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -215,6 +215,31 @@ def rope_hf_reference(q, k, inv_freq, positions):
     return ref.rope(q, emb.cos(), emb.sin()), ref.rope(k, emb.cos(), emb.sin())
 
 
+def _q_half_cos_sin(dtype):
+    q = torch.randn(2, HEADS, T, HEAD_DIM).to(dtype)
+    cos, sin = _cos_sin(dtype)
+    return q, cos[..., : HEAD_DIM // 2], sin[..., : HEAD_DIM // 2]
+
+
+def rope_deepseek(q, cos, sin):  # HF DeepSeek-V3 apply_rotary_pos_emb_interleave: all bf16
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    return torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+
+
+def rope_halves(q, cos, sin):  # GPT-OSS style: halves, no rotate_half
+    q1, q2 = torch.chunk(q, 2, dim=-1)
+    return torch.cat((q1 * cos - q2 * sin, q2 * cos + q1 * sin), dim=-1)
+
+
+def norm_functional(x, w):  # F.rms_norm: one fp32 computation, one rounding
+    return F.rms_norm(x, (D,), w, EPS)
+
+
+def residual_norm_module(h, r, w):  # torchtitan: h = x + attn; ffn_norm(h) with nn.RMSNorm's math
+    s = h + r
+    return s, F.rms_norm(s, (D,), w, EPS)
+
+
 CASES = [
     Case("norm_llama", "rmsnorm", norm_llama, _x_w, ref.rmsnorm, grads=(0, 1)),
     Case("norm_spelled", "rmsnorm", norm_spelled, _x_w, ref.rmsnorm, grads=(0, 1)),
@@ -246,5 +271,12 @@ CASES = [
          lambda q, c, s: ref.rope(q, c, s, style="gptj"), grads=(0, 1, 2)),
     Case("rope_partial", "rope", rope_partial, _partial,
          lambda q, c, s: ref.rope(q, c, s, rotary_dim=ROT), grads=(0, 1, 2)),
+    Case("norm_functional", "rmsnorm", norm_functional, _x_w, ref.rmsnorm, status="already_aligned", grads=(0, 1)),
+    Case("residual_norm_functional", "residual_rmsnorm", residual_norm_module,
+         lambda d: (*_x_w(d)[:1], (torch.randn(2, T, D) * 3).to(d), _x_w(d)[1]),
+         ref.residual_rmsnorm, grads=(0, 1, 2)),
+    Case("rope_deepseek_pairs", "rope", rope_deepseek, _q_half_cos_sin, ref.rope_pairs, grads=(0, 1, 2)),
+    Case("rope_halves", "rope", rope_halves, _q_half_cos_sin,
+         lambda q, c, s: ref.rope_pairs(q, c, s, layout="halves"), grads=(0, 1, 2)),
     Case("rope_hf_fp32_cos_sin", "rope", rope_hf, _q_k_positions, rope_hf_reference, count=2, grads=(0, 1)),
 ]

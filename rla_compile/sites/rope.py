@@ -108,6 +108,15 @@ def _pair_part(node: Node) -> tuple[Node, str, int] | None:
         if shape and dim % len(shape) == len(shape) - 1 and shape[-1] == 2 and index in (0, 1):
             return whole, "pairs", index
         return None
+    if fx.is_op(node, "getitem") and fx.is_op(node.args[0], "chunk", "split") and node.args[1] in (0, 1):
+        pieces = node.args[0]
+        whole, dim = pieces.args[0], pieces.args[2] if len(pieces.args) > 2 else 0
+        shape = fx.shape_of(whole)
+        size = shape[-1] if shape else None
+        two = pieces.args[1] == 2 if fx.is_op(pieces, "chunk") else isinstance(size, int) and pieces.args[1] * 2 == size
+        if shape and dim % len(shape) == len(shape) - 1 and two:
+            return whole, "halves", node.args[1]
+        return None
     part = _last_dim_slice(node)
     if part is None:
         return None
@@ -155,7 +164,8 @@ def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node]
         return None
     whole, layout = part1[:2]
     nodes = {anchor, first, second, *first.args, *second.args}
-    nodes |= {t for term in (*first.args, *second.args) for t in term.args if _key(t)[:2] == ("part", whole)}
+    parts = {t for term in (*first.args, *second.args) for t in term.args if _key(t)[:2] == ("part", whole)}
+    nodes |= parts | {p.args[0] for p in parts if fx.is_op(p, "getitem")}  # the chunk/split itself
     out = anchor
     if layout == "pairs":  # x.reshape(..., -1, 2) ... stack(-1).flatten(-2)
         if not fx.is_op(whole, "view", "reshape", "_unsafe_view", "unflatten") or len(anchor.users) != 1:
