@@ -2,10 +2,12 @@
 
 Every site, whatever its kind, is rewritten the same way (contract.md):
 
-1. inputs: each low-precision value entering the region is upcast to fp32, once per value
-   (shared by all sites that read it). A value that the graph computed in fp32 and rounded only
-   to feed sites (RoPE's cos/sin) is not upcast: the rounding is bypassed and the sites read
-   the fp32 value.
+1. inputs: each low-precision value entering the region is upcast to fp32, once per site.
+   Sites do not share upcasts: each is a boundary of its own, so in the backward each site's
+   input gradient is rounded at that boundary and gradients from several sites add up in the
+   input dtype, as they do between separately written modules. A value that the graph
+   computed in fp32 and rounded only to feed sites (RoPE's cos/sin) is not upcast: the
+   rounding is bypassed and the sites read the fp32 value.
 2. inside: every cast in the region is removed, so nothing rounds to T.
 3. outputs: every region value read outside the region is rounded back to the dtype it had
    before, exactly once. These casts are tagged so Inductor keeps them (see `pin_rounding`).
@@ -85,12 +87,11 @@ def _site_dtype(match: Match) -> torch.dtype:
 
 
 class _Rewriter:
-    """Applies the contract to matched regions of one graph, sharing upcasts between sites."""
+    """Applies the contract to matched regions of one graph."""
 
     def __init__(self, graph: Graph, site_nodes: set[Node]):
         self.graph = graph
         self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
-        self.fp32: dict[Node, Node] = {}  # low-precision value -> its fp32 version
         self._input_casts_end: Node | None = None  # last upcast of a graph input
 
     # -- inputs -------------------------------------------------------------------------
@@ -101,6 +102,8 @@ class _Rewriter:
             chain = chain.args[0]
         if not fx.is_cast(chain) or fx.dtype_of(chain.args[0]) != torch.float32:
             return None
+        if is_site_rounding(chain) or chain.args[0] in self.site_nodes:
+            return None  # a site's own output rounding (e.g. the residual stream's) stays
         frontier, seen = list(chain.users), set()
         while frontier:
             user = frontier.pop()
@@ -112,9 +115,10 @@ class _Rewriter:
             frontier.extend(user.users)
         return chain
 
-    def to_fp32(self, value: Node) -> Node:
-        if value in self.fp32:
-            return self.fp32[value]
+    def to_fp32(self, value: Node, upcasts: dict[Node, Node]) -> Node:
+        """The fp32 version of `value` for one site (`upcasts`: that site's upcasts so far)."""
+        if value in upcasts:
+            return upcasts[value]
         cast = self.bypassable(value)
         if cast is not None:
             # Read the fp32 origin; the views between it and the sites now carry fp32.
@@ -136,7 +140,7 @@ class _Rewriter:
                 result = self._cast(value, torch.float32, f"{value.name}_fp32")
             if value.op == "placeholder":
                 self._input_casts_end = result
-        self.fp32[value] = result
+        upcasts[value] = result
         return result
 
     def _cast(self, value: Node, dtype: torch.dtype, name: str) -> Node:
@@ -154,10 +158,11 @@ class _Rewriter:
         outside = {n: [u for u in n.users if u not in region] for n in order}
         dtype_before = {n: fx.dtype_of(n) for n in order}
 
+        upcasts: dict[Node, Node] = {}
         for node in order:  # 1. inputs
             for value in node.all_input_nodes:
                 if value not in region and fx.is_low_precision(value):
-                    node.replace_input_with(value, self.to_fp32(value))
+                    node.replace_input_with(value, self.to_fp32(value, upcasts))
 
         fp32_value: dict[Node, Node] = {}  # region node -> the node now holding its fp32 value
         for node in order:  # 2. inside: casts disappear, everything else computes in fp32

@@ -24,6 +24,6 @@ def test_demo_shows_sites_and_removes_the_mismatch():
     out = done.stdout
     assert "rla report for graph" in out and "residual_rmsnorm" in out
     without = next(line for line in out.splitlines() if line.startswith("without rla")).split()
-    aligned = next(line for line in out.splitlines() if line.startswith("with rla on both")).split()
+    pinned = next(line for line in out.splitlines() if line.startswith("rla on both, pin_rounding=True")).split()
     assert float(without[2]) > 0  # mean |Δ logprob| between Inductor and eager kernels
-    assert aligned[-3:] == ["0.000e+00", "0.000e+00", "100.0%"]
+    assert pinned[-3:] == ["0.000e+00", "0.000e+00", "100.0%"]

@@ -88,6 +88,9 @@ class GatedMLPMatcher:
             None,
         )
         if product is None:
+            if any(user.op == "output" for user in cur.users):
+                return Miss(self.kind, anchor, f"{where}: partial site: {act_name}(g) leaves the graph before "
+                            "its gate multiply (a graph break splits it); left as written")
             return Miss(self.kind, anchor, f"{where}: {act_name}(g) is not multiplied by a tensor (no gate)")
         u_in = product.args[1] if product.args[0] is cur else product.args[0]
         u = fx.strip_casts(u_in)

@@ -1,0 +1,89 @@
+"""The model zoo the coverage suite runs: tiny HF families built offline from configs, MoE in
+both expert implementations, and the hand-written models. Expected site counts are derived
+from each config here, independently of what the reports say."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import handwritten
+from rla_compile.tiny import tiny_causal_lm
+
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3_moe": dict(num_experts=4, decoder_sparse_step=1, mlp_only_layers=[], **MOE),
+    "gemma": {},
+    "gemma2": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=32),
+    "phi3": {},
+    "granite": dict(residual_multiplier=0.5, embedding_multiplier=2.0),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(
+        n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        head_dim=8, num_key_value_heads=4, **MOE,
+    ),
+}
+# MoE experts also run as a Python loop over the experts that got tokens: data-dependent, so
+# Dynamo breaks the graph inside each expert's MLP (the "partial site" case).
+LOOP_EXPERTS = {"qwen3_moe_loop": "qwen3_moe", "mixtral_loop": "mixtral"}
+
+
+@dataclass
+class Entry:
+    name: str
+    build: object  # () -> model
+    expected: dict[str, int]  # sites per kind, from the config
+    family: str  # "hf" or "hand-written"
+    notes: list[str] = field(default_factory=list)
+
+
+def _hf_expected(config) -> dict[str, int]:
+    layers, kind = config.num_hidden_layers, config.model_type
+    counts = {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers}
+    if kind in ("qwen3", "qwen3_moe"):
+        counts["rmsnorm"] += 2 * layers  # q_norm, k_norm per head before RoPE
+    if kind == "gemma2":
+        counts["rmsnorm"] += 2 * layers  # sandwich: post-attention and post-feedforward norms
+    if kind == "deepseek_v3":
+        counts["rmsnorm"] += 2 * layers  # q_a_layernorm, kv_a_layernorm on the MLA latents
+        dense = config.first_k_dense_replace
+        counts["swiglu"] = dense + (layers - dense) * (1 + (config.n_shared_experts > 0))
+    return counts
+
+
+def _hf(family: str, **extra):
+    def build():
+        return tiny_causal_lm(family, **(FAMILIES[family] | extra))
+
+    return build
+
+
+def entries() -> list[Entry]:
+    from transformers import AutoConfig
+
+    from rla_compile.tiny import TINY_CONFIG
+
+    out = []
+    for family, overrides in FAMILIES.items():
+        config = AutoConfig.for_model(family, **(TINY_CONFIG | overrides))
+        out.append(Entry(family, _hf(family), _hf_expected(config), "hf"))
+    for name, family in LOOP_EXPERTS.items():
+        config = AutoConfig.for_model(family, **(TINY_CONFIG | FAMILIES[family]))
+        expected = _hf_expected(config)
+        expected["swiglu"] = 0  # split by graph breaks: reported as partial sites, not rewritten
+        out.append(Entry(name, _hf(family, experts_implementation="eager"), expected, "hf",
+                         ["experts_implementation='eager'"]))
+    for name in handwritten.HANDWRITTEN:
+        model = handwritten.HANDWRITTEN[name]
+        out.append(Entry(name, lambda name=name: handwritten.build(name), model().expected_sites(), "hand-written"))
+    return out
+
+
+def tokens(vocab: int = 128, length: int = 12) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(0))
