@@ -1,80 +1,63 @@
 """Run time of aligned vs unaligned compiled models, measured side by side in one run.
 
-For each configuration the same tiny Llama is compiled three ways: plain Inductor, rla with
-site roundings pinned only (default), and rla with all rounding pinned (`pin_rounding=True`,
-Inductor's emulate_precision_casts). Repetitions alternate between them and the median is
-reported, with the ratios to plain Inductor.
+The same tiny Llama is compiled three ways: plain Inductor, rla (site roundings pinned, the
+default) and rla with `pin_rounding=True`. Repetitions alternate between them and the median
+is reported with the ratios to plain Inductor.
 
-    python benchmarks/runtime.py                    # small and medium, inference and training
-    python benchmarks/runtime.py --sizes small --reps 3 --json out.json
+    python benchmarks/runtime.py --json benchmarks/results/runtime_cpu.json
+    python benchmarks/runtime.py --sizes small --modes inference --reps 1     # smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import rla_compile
-from rla_compile.tiny import tiny_causal_lm
-
-SIZES = {
-    "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, batch=2, seq=32),
-    "medium": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                   num_key_value_heads=4, head_dim=32, vocab_size=512, max_position_embeddings=256, batch=4, seq=128),
-}
-VARIANTS = {
-    "inductor": lambda: "inductor",
-    "rla": lambda: rla_compile.backend(),
-    "rla pinned": lambda: rla_compile.backend(pin_rounding=True),
-}
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SIZES, VARIANTS, model_and_tokens, train_step, write  # noqa: E402
 
 
-def _workload(size: str, mode: str, backend):
-    cfg = dict(SIZES[size])
-    batch, seq = cfg.pop("batch"), cfg.pop("seq")
-    model = tiny_causal_lm("llama", **cfg)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _workload(size: str, mode: str, backend, device: str = "cpu"):
+    model, ids = model_and_tokens(size, device)
     compiled = torch.compile(model, backend=backend)
-    if mode == "inference":
-        def step():
-            with torch.no_grad():
-                compiled(ids, use_cache=False)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if mode == "training":
+        return train_step(compiled, model, ids)
 
-        def step():
-            loss = compiled(ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    def step():
+        with torch.no_grad():
+            compiled(ids, use_cache=False)
+
     return step
 
 
-def measure(size: str, mode: str, reps: int, warmup: int = 2) -> dict:
+def measure(size: str, mode: str, reps: int, warmup: int = 2, device: str = "cpu") -> dict:
     steps = {}
     for name, make in VARIANTS.items():
         torch._dynamo.reset()
-        steps[name] = _workload(size, mode, make())
+        steps[name] = _workload(size, mode, make(), device)
         for _ in range(warmup):
             steps[name]()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(reps):  # alternate so load on the machine hits all variants alike
+    for _ in range(reps):  # alternate, so load on the machine hits every variant alike
         for name, step in steps.items():
+            _sync(device)
             start = time.perf_counter()
             step()
+            _sync(device)
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    return {
-        "size": size,
-        "mode": mode,
-        "median_s": medians,
-        "ratio_vs_inductor": {name: medians[name] / medians["inductor"] for name in medians},
-    }
+    return {"size": size, "mode": mode, "reps": reps, "median_s": medians,
+            "ratio_vs_inductor": {name: medians[name] / medians["inductor"] for name in medians}}
 
 
 def main(argv=None) -> list[dict]:
@@ -93,11 +76,7 @@ def main(argv=None) -> list[dict]:
             ms = "".join(f"{r['median_s'][n] * 1e3:>16.2f}" for n in VARIANTS)
             ratio = r["ratio_vs_inductor"]
             print(f"{size:<8}{mode:<11}{ms}{ratio['rla']:>10.3f}{ratio['rla pinned']:>12.3f}", flush=True)
-    if args.json:
-        machine = {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads(),
-                   "torch": torch.__version__, "device": "cpu"}
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine, "results": results}, f, indent=2)
+    write(args.json, results)
     return results
 
 

@@ -15,6 +15,7 @@ the site roundings, which covers rla's code and options.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,10 +103,13 @@ class Backend:
         return f"rla_compile.Backend({self.options})"
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        start = time.perf_counter()
         aten_gm = _pre_dispatch(gm, example_inputs)
+        retraced = time.perf_counter()
         keep = self.keep_graphs or self.options.debug_dir is not None or tracing()
         before = (format_graph(aten_gm), python_source(aten_gm)) if keep else None
         report = align(aten_gm, self.options, name=_graph_name())
+        report.seconds = {"retrace": retraced - start, "rewrite": time.perf_counter() - retraced}
         self.reports.append(report)
         log.info("%s", report.summary())
         if before is not None:

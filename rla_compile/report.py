@@ -40,6 +40,7 @@ class GraphReport:
     sites: list[SiteReport] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
     note: str = ""  # graph-level remarks, e.g. "nothing to align: activations are float32"
+    seconds: dict[str, float] = field(default_factory=dict)  # time rla spent: retrace, rewrite
 
     def count(self, kind: str | None = None, status: str | None = None) -> int:
         return sum(
@@ -58,6 +59,7 @@ class GraphReport:
             "note": self.note,
             "sites": [asdict(s) for s in self.sites],
             "near_misses": [asdict(m) for m in self.near_misses],
+            "seconds": self.seconds,
         }
 
     def to_json(self) -> str:

@@ -1,0 +1,59 @@
+"""Shared by the benchmarks: the workloads (tiny Llama configs), the compared variants, and
+the machine description written next to every result."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+import rla_compile
+from rla_compile.tiny import tiny_causal_lm
+
+RESULTS = Path(__file__).parent / "results"
+
+SIZES = {
+    "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, batch=2, seq=32),
+    "medium": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=32, vocab_size=512, max_position_embeddings=256, batch=4, seq=128),
+}
+VARIANTS = {
+    "inductor": lambda: "inductor",
+    "rla": lambda: rla_compile.backend(),
+    "rla pinned": lambda: rla_compile.backend(pin_rounding=True),
+}
+
+
+def model_and_tokens(size: str, device: str = "cpu", **overrides):
+    cfg = dict(SIZES[size]) | overrides
+    batch, seq = cfg.pop("batch"), cfg.pop("seq")
+    model = tiny_causal_lm("llama", **cfg).to(device)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, ids.to(device)
+
+
+def train_step(compiled, model, ids):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step():
+        compiled(ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def machine(device: str = "cpu") -> dict:
+    info = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write(path: str | None, results, device: str = "cpu") -> None:
+    if path:
+        Path(path).write_text(json.dumps({"machine": machine(device), "results": results}, indent=2) + "\n")

@@ -1,0 +1,56 @@
+"""The same measurements on a CUDA machine (torch + Triton, no vLLM needed), one command:
+
+    python benchmarks/gpu.py            # writes benchmarks/results/gpu.json
+
+Run time (inference and training step, small and medium, aligned vs unaligned, pinned and
+not), peak CUDA memory of the training step and saved-for-backward bytes, and compile time
+with rla's share for 1-16 layers. Each section prints as it goes; a failed section is
+recorded with its error instead of losing the others.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import compile_time  # noqa: E402
+import memory  # noqa: E402
+import runtime  # noqa: E402
+from common import RESULTS, SIZES, VARIANTS, machine  # noqa: E402
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py needs a CUDA device; on CPU run runtime.py, memory.py, compile_time.py", file=sys.stderr)
+        return 2
+    out = {"machine": machine("cuda"), "runtime": [], "memory": [], "compile_time": [], "errors": []}
+
+    def section(name, fn):
+        try:
+            result = fn()
+            out[name].append(result)
+            print(name, json.dumps(result), flush=True)
+        except Exception:  # keep the other measurements
+            out["errors"].append({"section": name, "error": traceback.format_exc()})
+            print(f"{name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+
+    for size in SIZES:
+        for mode in ("inference", "training"):
+            section("runtime", lambda: runtime.measure(size, mode, reps=30, warmup=3, device="cuda"))
+        section("memory", lambda: {"size": size, "peak_bytes": {n: memory.cuda_peak_bytes(size, m()) for n, m in VARIANTS.items()},
+                                   "saved_bytes": {n: memory.saved_bytes(size, m(), "cuda") for n, m in VARIANTS.items()}})
+    for layers in (1, 2, 4, 8, 16):
+        section("compile_time", lambda: compile_time.measure(layers, "cuda"))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gpu.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {RESULTS / 'gpu.json'}")
+    return 1 if out["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Each benchmark script runs at its smallest size, so the scripts cannot rot. (The numbers
+are in docs/performance.md; timing is not asserted here.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, cwd=cwd, timeout=900)
+
+
+def test_runtime_smoke(tmp_path):
+    done = _run("runtime.py", "--sizes", "small", "--modes", "inference", "--reps", "1", "--json", "r.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (result,) = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert set(result["ratio_vs_inductor"]) == {"inductor", "rla", "rla pinned"}
+
+
+def test_memory_smoke(tmp_path):
+    done = _run("memory.py", "--sizes", "small", "--json", "m.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (result,) = json.loads((tmp_path / "m.json").read_text())["results"]
+    assert result["saved_bytes"]["rla"] > 0
+
+
+def test_compile_time_smoke(tmp_path):
+    done = _run("compile_time.py", "--layers", "1", "--json", "c.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (result,) = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert result["sites"] == 6 and 0 < result["rla_fraction"] < 1
+
+
+def test_gpu_script_says_what_it_needs_without_cuda(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the real thing")
+    done = _run("gpu.py", cwd=tmp_path)
+    assert done.returncode == 2 and "needs a CUDA device" in done.stderr
+
+
+def test_plot_of_committed_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    for name in ("runtime_cpu.json", "memory_cpu.json", "compile_time_cpu.json"):
+        (tmp_path / name).write_text((BENCH / "results" / name).read_text())
+    done = subprocess.run([sys.executable, str(BENCH / "plot.py"), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "performance_cpu.png").stat().st_size > 10_000
