@@ -24,10 +24,12 @@ __all__ = [
     "is_low_precision",
     "is_cast",
     "strip_casts",
+    "casts_between",
     "is_view",
     "constant",
     "normalize_dim",
     "module_path",
+    "describe",
     "source_line",
     "call_nodes",
 ]
@@ -125,6 +127,15 @@ def strip_casts(node: object) -> object:
     return node
 
 
+def casts_between(node: object, source: object) -> set[Node]:
+    """The cast nodes on the chain node -> ... -> source (empty when node is source)."""
+    found = set()
+    while node is not source and is_cast(node):
+        found.add(node)
+        node = node.args[0]
+    return found
+
+
 def is_view(node: object) -> bool:
     return is_op(node, *_VIEW_OPS)
 
@@ -162,6 +173,11 @@ def _clean_module_path(path: str) -> str:
     path = path.replace("_modules['", "").replace("']", "").replace("['", ".")
     path = path.replace("[", ".").replace("]", "")
     return path.strip(".")
+
+
+def describe(node: Node) -> str:
+    """`rsqrt at model.layers.0.input_layernorm`: how near misses name a node."""
+    return f"{node.name} at {module_path(node) or 'top level'}"
 
 
 def source_line(node: Node) -> str:

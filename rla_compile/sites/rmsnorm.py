@@ -30,14 +30,6 @@ class RMSNorm:
     weight: Node | None
 
 
-def _casts_between(node: Node, source: Node) -> set[Node]:
-    """The cast nodes on the chain node -> ... -> source."""
-    found = set()
-    while node is not source and fx.is_cast(node):
-        found.add(node)
-        node = node.args[0]
-    return found
-
 
 def _mean_square(ms: Node) -> tuple[Node, set[Node]] | str:
     """ms = mean(x^2 over the last dim) in any spelling -> (x, nodes)."""
@@ -65,7 +57,7 @@ def _mean_square(ms: Node) -> tuple[Node, set[Node]] | str:
         return f"{reduce.name}: does not reduce a square"
     nodes.add(square)
     source = fx.strip_casts(x)
-    nodes |= _casts_between(x, source)
+    nodes |= fx.casts_between(x, source)
     if fx.is_op(source, "sub") and any(fx.is_op(a, "mean") for a in source.args):
         return f"{source.name}: mean-centred input (LayerNorm, not RMSNorm)"
     return source, nodes
@@ -129,12 +121,12 @@ def _weight(mul: Node, value: Node, dim: int) -> tuple[Node, set[Node], str] | N
         return None
     nodes: set[Node] = set()
     w, variant = fx.strip_casts(other), "llama"
-    nodes |= _casts_between(other, w)
+    nodes |= fx.casts_between(other, w)
     if fx.is_op(w, "add") and 1.0 in (fx.constant(w.args[0]), fx.constant(w.args[1])):
         nodes.add(w)
         inner = w.args[1] if fx.constant(w.args[0]) == 1.0 else w.args[0]
         w, variant = fx.strip_casts(inner), "gemma (1 + w)"
-        nodes |= _casts_between(inner, w)
+        nodes |= fx.casts_between(inner, w)
     shape = fx.shape_of(w)
     if shape is None or len(shape) != 1 or shape[0] != dim:
         return None
@@ -148,16 +140,16 @@ def find_rmsnorm(anchor: Node) -> RMSNorm | str | None:
     inv, ms, nodes = inverse
     square = _mean_square(ms)
     if isinstance(square, str):
-        return f"{anchor.name} at {fx.module_path(anchor) or 'top level'}: {square}"
+        return f"{fx.describe(anchor)}: {square}"
     x, square_nodes = square
     nodes |= square_nodes
     y = _normalised(inv, x)
     if y is None:
-        return f"{anchor.name} at {fx.module_path(anchor) or 'top level'}: not multiplied by its own input"
+        return f"{fx.describe(anchor)}: not multiplied by its own input"
     nodes.add(y)
     for operand in y.args:
         if isinstance(operand, Node):
-            nodes |= _casts_between(operand, x)
+            nodes |= fx.casts_between(operand, x)
     dim = fx.shape_of(x)[-1]
 
     # Walk forward: casts, then an optional weight multiply. Casts followed by nothing are the

@@ -180,13 +180,6 @@ def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node]
     return x, out, nodes, layout, cos, sin
 
 
-def _casts(node: Node, source: Node) -> set[Node]:
-    found = set()
-    while node is not source and fx.is_cast(node):
-        found.add(node)
-        node = node.args[0]
-    return found
-
 
 def _scaled(value: Node, x: Node) -> tuple[Node, Node] | None:
     """A user of `value` that multiplies it by another tensor -> (mul, the other tensor)."""
@@ -231,14 +224,14 @@ class RoPEMatcher:
                 return None
             x, nodes, freqs = rotation
             source = fx.strip_casts(x)
-            nodes |= _casts(x, source)
+            nodes |= fx.casts_between(x, source)
             return Match(self.kind, anchor, frozenset(nodes), "complex", {"x": source, "freqs": freqs})
         pairs = _rotate_pairs(anchor)
         if pairs is not None:
             x, _, nodes, layout, cos, sin = pairs
             variant = {"interleaved": "interleaved pairs", "halves": "pairs of halves", "pairs": "pairs"}[layout]
             source = fx.strip_casts(x)
-            nodes |= _casts(x, source)
+            nodes |= fx.casts_between(x, source)
             return Match(self.kind, anchor, frozenset(nodes), variant, {"x": source, "cos": cos, "sin": sin})
         neox = _rotate_half(anchor) if fx.is_op(anchor, "cat") else None
         if neox is not None:
@@ -249,12 +242,12 @@ class RoPEMatcher:
             if gptj is None:
                 tensors = anchor.args[0] if anchor.args else ()
                 if isinstance(tensors, (list, tuple)) and any(fx.is_op(t, "neg") for t in tensors):
-                    where = f"{anchor.name} at {fx.module_path(anchor) or 'top level'}"
+                    where = fx.describe(anchor)
                     return Miss(self.kind, anchor, f"{where}: {fx.op_name(anchor)} of a negated slice is not "
                                 "a rotation (want cat(-x[..., h:], x[..., :h]) or stack(-x[..., 1::2], x[..., ::2]))")
                 return None
             x, rotated, nodes, variant = gptj
-        where = f"{anchor.name} at {fx.module_path(anchor) or 'top level'}"
+        where = fx.describe(anchor)
         sin_mul = _scaled(rotated, x)
         if sin_mul is None:
             return Miss(self.kind, anchor, f"{where}: rotate(x) is not multiplied by a sin tensor")
@@ -272,7 +265,7 @@ class RoPEMatcher:
             cos = b if xs[0] is a else a
             if not isinstance(cos, Node):
                 continue
-            nodes |= {sin_mul[0], cos_side, user} | _casts(xs[0], source) | _casts(x, source)
+            nodes |= {sin_mul[0], cos_side, user} | fx.casts_between(xs[0], source) | fx.casts_between(x, source)
             roles = {"x": source, "cos": cos, "sin": sin_mul[1]}
             return Match(self.kind, anchor, frozenset(nodes), variant, roles)
         return Miss(self.kind, anchor, f"{where}: rotate(x) * sin is not added to x * cos")

@@ -31,18 +31,11 @@ def _activation(anchor: Node) -> tuple[Node, Node, set[Node], str] | str | None:
             if fx.is_op(user, "mul") and len(user.args) == 2:
                 other = user.args[1] if user.args[0] is anchor else user.args[0]
                 if isinstance(other, Node) and fx.strip_casts(other) is g:
-                    nodes = {anchor, user} | _casts(other, g)
+                    nodes = {anchor, user} | fx.casts_between(other, g)
                     return anchor.args[0], user, nodes, "silu"
-        return f"{anchor.name} at {fx.module_path(anchor) or 'top level'}: sigmoid(g) is not multiplied by g (a gate, not SiLU)"
+        return f"{fx.describe(anchor)}: sigmoid(g) is not multiplied by g (a gate, not SiLU)"
     return None
 
-
-def _casts(node: Node, source: Node) -> set[Node]:
-    found = set()
-    while node is not source and fx.is_cast(node):
-        found.add(node)
-        node = node.args[0]
-    return found
 
 
 def _fused(g: Node, u: Node) -> bool:
@@ -66,12 +59,12 @@ class GatedMLPMatcher:
         act = _activation(anchor)
         if act is None:
             return None
-        where = f"{anchor.name} at {fx.module_path(anchor) or 'top level'}"
+        where = fx.describe(anchor)
         if isinstance(act, str):
             return Miss(self.kind, anchor, act)
         g_in, act_out, nodes, act_name = act
         g = fx.strip_casts(g_in)
-        nodes |= _casts(g_in, g)
+        nodes |= fx.casts_between(g_in, g)
 
         cur, pending = act_out, set()
         while len(cur.users) == 1 and fx.is_cast(next(iter(cur.users))):
@@ -98,7 +91,7 @@ class GatedMLPMatcher:
             return Miss(self.kind, anchor, f"{where}: {act_name}(x) * x is not gated")
         if fx.shape_of(u) != fx.shape_of(g):
             return Miss(self.kind, anchor, f"{where}: {act_name}(g) * u with u shaped {fx.shape_of(u)}, g {fx.shape_of(g)}")
-        nodes |= pending | {product} | _casts(u_in, u)
+        nodes |= pending | {product} | fx.casts_between(u_in, u)
         variant = ("geglu" if act_name.startswith("gelu") else "swiglu") + (
             ", fused gate_up" if _fused(g, u) else ""
         )
