@@ -6,8 +6,10 @@ Every site, whatever its kind, is rewritten the same way (contract.md):
    Sites do not share upcasts: each is a boundary of its own, so in the backward each site's
    input gradient is rounded at that boundary and gradients from several sites add up in the
    input dtype, as they do between separately written modules. A value that the graph
-   computed in fp32 and rounded only to feed sites (RoPE's cos/sin) is not upcast: the
-   rounding is bypassed and the sites read the fp32 value.
+   computed entirely in fp32 (from integers and fp32 values, never from a low-precision
+   activation) and rounded only to feed sites — RoPE's cos/sin — is not upcast: the rounding
+   is bypassed and the sites read the fp32 value. An activation's rounding (an MoE block's
+   fp32 output cast back before the residual add) is the model's and stays.
 2. inside: every cast in the region is removed, so nothing rounds to T.
 3. outputs: every region value read outside the region is rounded back to the dtype it had
    before, exactly once. These casts are tagged so Inductor keeps them (see `pin_rounding`).
@@ -93,6 +95,7 @@ class _Rewriter:
         self.graph = graph
         self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
         self._input_casts_end: Node | None = None  # last upcast of a graph input
+        self._fp32_only: dict[Node, bool] = {}
 
     # -- inputs -------------------------------------------------------------------------
     def bypassable(self, value: Node) -> Node | None:
@@ -104,6 +107,8 @@ class _Rewriter:
             return None
         if is_site_rounding(chain) or chain.args[0] in self.site_nodes:
             return None  # a site's own output rounding (e.g. the residual stream's) stays
+        if not self._computed_in_fp32(chain.args[0]):
+            return None  # an activation's rounding (e.g. an MoE block's output) is the model's
         frontier, seen = list(chain.users), set()
         while frontier:
             user = frontier.pop()
@@ -114,6 +119,22 @@ class _Rewriter:
                 return None
             frontier.extend(user.users)
         return chain
+
+    def _computed_in_fp32(self, node: Node) -> bool:
+        """Whether `node` is computed from integers and fp32 values only (RoPE's tables from
+        positions and inv_freq), never from a low-precision activation."""
+        if node not in self._fp32_only:
+            stack, seen, result = [node], set(), True
+            while stack and result:
+                current = stack.pop()
+                if current in seen:
+                    continue
+                seen.add(current)
+                if fx.is_low_precision(current) or self._fp32_only.get(current) is False:
+                    result = False
+                stack.extend(current.all_input_nodes)
+            self._fp32_only[node] = result
+        return self._fp32_only[node]
 
     def to_fp32(self, value: Node, upcasts: dict[Node, Node]) -> Node:
         """The fp32 version of `value` for one site (`upcasts`: that site's upcasts so far)."""

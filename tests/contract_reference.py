@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 
 
-def rmsnorm(x, weight=None, eps=1e-6, gemma=False):
+def rmsnorm(x, weight=None, eps=1e-6, gemma=False, out_dtype=None):
+    """out_dtype: the dtype to round to, when x is already an fp32 value (a residual sum)."""
     xf = x.to(torch.float32)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         wf = weight.to(torch.float32)
         y = y * (1.0 + wf if gemma else wf)
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 def residual_rmsnorm(h, r, weight, eps=1e-6):

@@ -1,8 +1,17 @@
-"""An HF model with its RMSNorm, gated-MLP and RoPE sites replaced by the contract reference
-(tests/contract_reference.py), by patching modules of the instance and the modeling module's
-`apply_rotary_pos_emb`. Residual adds stay as HF writes them (inside the decoder layer), so
-compare against rla with `sites=["rmsnorm", "swiglu", "rope"]`: residual norms are then
-aligned as plain norms reading the rounded sum, as this reference computes them.
+"""An HF model run eagerly with every site replaced by the contract reference
+(tests/contract_reference.py), without rewriting the model's code:
+
+- RMSNorm modules: `forward` replaced by the reference norm; when the input is a residual sum
+  made inside the layer, by the residual reference (the norm reads the fp32 sum).
+- gated MLPs, dense or MoE experts: the `act_fn` / `activation_fn` module marks its output, and
+  the multiply by the up projection computes `round(act(g) * u)` in fp32.
+- RoPE: the rotary module returns fp32 cos/sin (the contract's bypass) and the modeling
+  module's `apply_rotary_pos_emb` (or DeepSeek's interleaved version) is the reference.
+
+A `TorchFunctionMode` sees the adds and multiplies. A bf16 add of two same-shape tensors is
+computed as round(s), s = fp32(h) + fp32(r) — the same value a bf16 add gives, and the
+contract's residual stream — and s is kept so a norm that reads the sum reads s (one autograd
+node for both, as in the contract's residual site, so their gradients meet in fp32).
 """
 
 from __future__ import annotations
@@ -11,27 +20,62 @@ import contextlib
 import importlib
 import types
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 import contract_reference as ref
 
 ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+LOWP = (torch.bfloat16, torch.float16)
+ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 
 
-def _norm_forward(module, gemma: bool):
+class ContractMode(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.sums: dict[int, tuple] = {}  # id(round(s)) -> (round(s), s): residual adds
+        self.acts: dict[int, tuple] = {}  # id(act(g)) -> (act(g), g, act)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in MULS and len(args) == 2 and not kwargs:
+            a, b = args
+            for act_out, up in ((a, b), (b, a)):
+                entry = self.acts.get(id(act_out))
+                if entry is not None and entry[0] is act_out and isinstance(up, torch.Tensor) and up.shape == act_out.shape:
+                    return ref.gated(entry[1], up, entry[2])
+        if func in ADDS and len(args) == 2 and not kwargs:
+            h, r = args
+            if all(isinstance(t, torch.Tensor) and t.dtype in LOWP for t in (h, r)) and h.shape == r.shape:
+                s = h.to(torch.float32) + r.to(torch.float32)
+                out = s.to(h.dtype)
+                self.sums[id(out)] = (out, s)
+                return out
+        return func(*args, **kwargs)
+
+    def fp32_sum(self, x):
+        entry = self.sums.get(id(x))
+        return entry[1] if entry is not None and entry[0] is x else None
+
+
+def _norm_forward(module, mode: ContractMode, gemma: bool):
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
 
     def forward(self, x):
-        return ref.rmsnorm(x, self.weight, eps, gemma=gemma)
+        s = mode.fp32_sum(x)  # the norm of a residual sum reads it unrounded
+        return ref.rmsnorm(x if s is None else s, self.weight, eps, gemma=gemma, out_dtype=x.dtype)
 
     return types.MethodType(forward, module)
 
 
-def _mlp_forward(module, act: str):
-    def forward(self, x):
-        if hasattr(self, "gate_up_proj"):  # Phi3: fused, gate first
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(ref.gated(gate, up, act))
+def _act_forward(module, mode: ContractMode, act: str):
+    original = module.forward
+
+    def forward(self, g):
+        out = original(g)
+        mode.acts[id(out)] = (out, g, act)
+        return out
 
     return types.MethodType(forward, module)
 
@@ -51,27 +95,41 @@ def _apply_rotary(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
     return ref.rope(q, cos, sin, rotary_dim=rot), ref.rope(k, cos, sin, rotary_dim=rot)
 
 
+def _apply_rotary_interleave(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(unsqueeze_dim), sin[..., :half].unsqueeze(unsqueeze_dim)
+    return ref.rope_pairs(q, cos, sin), ref.rope_pairs(k, cos, sin)
+
+
 @contextlib.contextmanager
-def contract_sites(model):
+def contract_sites(model, kinds=("rmsnorm", "swiglu", "rope")):
+    """kinds: which sites to replace; "rmsnorm" covers plain and residual norms."""
     config = model.config
     gemma = config.model_type.startswith("gemma")
     act = ACTS[getattr(config, "hidden_activation", None) or config.hidden_act]
+    mode = ContractMode()
     patched = []
     for module in model.modules():
         name = type(module).__name__
-        if name.endswith("RMSNorm"):
-            patched.append((module, "forward", _norm_forward(module, gemma)))
-        elif name.endswith("MLP") and (hasattr(module, "gate_proj") or hasattr(module, "gate_up_proj")):
-            patched.append((module, "forward", _mlp_forward(module, act)))
-        elif name.endswith("RotaryEmbedding"):
+        if name.endswith("RMSNorm") and "rmsnorm" in kinds:
+            patched.append((module, "forward", _norm_forward(module, mode, gemma)))
+        elif name.endswith("RotaryEmbedding") and "rope" in kinds:
             patched.append((module, "forward", _rotary_forward(module)))
+        for attr in ("act_fn", "activation_fn"):
+            fn = getattr(module, attr, None)
+            if isinstance(fn, torch.nn.Module) and "swiglu" in kinds:
+                patched.append((fn, "forward", _act_forward(fn, mode, act)))
     modeling = importlib.import_module(type(model).__module__)
-    patched.append((modeling, "apply_rotary_pos_emb", _apply_rotary))
+    if "rope" in kinds:
+        patched.append((modeling, "apply_rotary_pos_emb", _apply_rotary))
+    if "rope" in kinds and hasattr(modeling, "apply_rotary_pos_emb_interleave"):
+        patched.append((modeling, "apply_rotary_pos_emb_interleave", _apply_rotary_interleave))
     saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in patched]
     try:
         for obj, attr, value in patched:
             setattr(obj, attr, value)
-        yield model
+        with mode:
+            yield model
     finally:
         for obj, attr, value in saved:
             if value is None:

@@ -20,10 +20,7 @@ from zoo import LOOP_EXPERTS, entries, tokens
 pytest.importorskip("transformers")
 
 ENTRIES = entries()
-# The HF MoE families' experts are fused modules the reference does not patch; their sites are
-# still checked by counts and by the cross-compiler test, and by the site tests.
-HF_REFERENCE = [e for e in ENTRIES if e.family == "hf" and e.name not in ("qwen3_moe", "mixtral", "deepseek_v3")
-                and e.name not in LOOP_EXPERTS]
+HF_REFERENCE = [e for e in ENTRIES if e.family == "hf" and e.name not in LOOP_EXPERTS]
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +74,11 @@ def test_handwritten_model_equals_contract_reference(name):
     assert statuses == set(handwritten.STATUSES[name].items())
 
 
-def test_handwritten_model_under_inductor_pinned():
-    """Inductor with rounding pinned: the contract's rounding locations, Inductor's fp32 math
-    (its reduction order in the backward): at most 1 ulp on at most 1% of elements."""
-    model, ids = handwritten.build("nanogpt-swiglu"), tokens()
-    with inductor_config.patch(emulate_precision_casts=True):
-        got = _train(model, ids, rla_compile.backend(pin_rounding=True))
-    model.forward = model.forward_contract
-    reference = _train(model, ids)
-    assert _mismatches(got[:1], reference[:1]) == 0  # logits bit for bit
-    for a, b in zip(got[1:], reference[1:]):
+def _within_one_ulp(got, reference):
+    """Inductor with rounding pinned: the contract's rounding locations with Inductor's own
+    fp32 math (its reduction order in the backward's sums), which can move a value across a
+    rounding boundary: at most 1 ulp, on at most 1% of the elements of each tensor."""
+    for a, b in zip(got, reference, strict=True):
         differ = a != b
         assert int(differ.sum()) <= max(1, a.numel() // 100)
         if differ.any():
@@ -94,12 +86,37 @@ def test_handwritten_model_under_inductor_pinned():
             assert int(ulps.max()) <= 1
 
 
+def test_handwritten_model_under_inductor_pinned():
+    model, ids = handwritten.build("nanogpt-swiglu"), tokens()
+    with inductor_config.patch(emulate_precision_casts=True):
+        got = _train(model, ids, rla_compile.backend(pin_rounding=True))
+    model.forward = model.forward_contract
+    reference = _train(model, ids)
+    assert _mismatches(got[:1], reference[:1]) == 0  # logits bit for bit
+    _within_one_ulp(got[1:], reference[1:])
+
+
 @pytest.mark.parametrize("entry", HF_REFERENCE, ids=lambda e: e.name)
 def test_hf_family_equals_contract_reference(entry):
+    """Every site, residual and MoE experts included: tests/hf_reference.py."""
     model, ids = entry.build(), tokens()
-    got = _train(model, ids, rla_compile.backend(inner="aot_eager", sites=["rmsnorm", "swiglu", "rope"]))
+    got = _train(model, ids, rla_compile.backend(inner="aot_eager"))
     torch._dynamo.reset()
     with contract_sites(model):
         reference = _train(model, ids)
     assert _mismatches(got, reference) == 0
     assert _mismatches(_train(model, ids), reference) > 0  # as written, the model rounds elsewhere
+
+
+# Not the MoE families: Inductor's backward of the experts' grouped matmuls differs from eager
+# already without rla (mixtral: 23787 of one expert weight gradient's elements), outside the sites.
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_hf_family_under_inductor_pinned(name):
+    entry = next(e for e in ENTRIES if e.name == name)
+    model, ids = entry.build(), tokens()
+    with inductor_config.patch(emulate_precision_casts=True):
+        got = _train(model, ids, rla_compile.backend(pin_rounding=True))
+    torch._dynamo.reset()
+    with contract_sites(model):
+        reference = _train(model, ids)
+    _within_one_ulp(got, reference)
