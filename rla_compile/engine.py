@@ -91,17 +91,19 @@ def _site_dtype(match: Match) -> torch.dtype:
 class _Rewriter:
     """Applies the contract to matched regions of one graph."""
 
-    def __init__(self, graph: Graph, site_nodes: set[Node]):
+    def __init__(self, graph: Graph, site_nodes: set[Node], post_grad: bool = False):
         self.graph = graph
+        self.post_grad = post_grad  # Inductor's post-grad IR: casts are prims.convert_element_type
         self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
         self._input_casts_end: Node | None = None  # last upcast of a graph input
         self._fp32_only: dict[Node, bool] = {}
 
     # -- inputs -------------------------------------------------------------------------
-    def bypassable(self, value: Node) -> Node | None:
-        """The cast that rounded `value`'s fp32 origin, if that rounding only feeds sites."""
+    def bypassable(self, value: Node) -> tuple[Node, set[Node]] | None:
+        """(the cast that rounded `value`'s fp32 origin, the data-movement nodes between it and
+        the sites) if that rounding only feeds sites, through views, gathers and splits."""
         chain = value
-        while fx.is_view(chain) and len(chain.all_input_nodes) == 1:
+        while fx.moves_data(chain):
             chain = chain.args[0]
         if not fx.is_cast(chain) or fx.dtype_of(chain.args[0]) != torch.float32:
             return None
@@ -109,16 +111,17 @@ class _Rewriter:
             return None  # a site's own output rounding (e.g. the residual stream's) stays
         if not self._computed_in_fp32(chain.args[0]):
             return None  # an activation's rounding (e.g. an MoE block's output) is the model's
-        frontier, seen = list(chain.users), set()
+        moved: set[Node] = set()
+        frontier = [(user, chain) for user in chain.users]
         while frontier:
-            user = frontier.pop()
-            if user in seen or user in self.site_nodes:
+            user, source = frontier.pop()
+            if user in self.site_nodes or user in moved:
                 continue
-            seen.add(user)
-            if not fx.is_view(user):
+            if not (fx.moves_data(user) and user.args[0] is source):
                 return None
-            frontier.extend(user.users)
-        return chain
+            moved.add(user)
+            frontier.extend((u, user) for u in user.users)
+        return chain, moved
 
     def _computed_in_fp32(self, node: Node) -> bool:
         """Whether `node` is computed from integers and fp32 values only (RoPE's tables from
@@ -140,18 +143,14 @@ class _Rewriter:
         """The fp32 version of `value` for one site (`upcasts`: that site's upcasts so far)."""
         if value in upcasts:
             return upcasts[value]
-        cast = self.bypassable(value)
-        if cast is not None:
-            # Read the fp32 origin; the views between it and the sites now carry fp32.
-            views = []
-            node = value
-            while node is not cast:
-                views.append(node)
-                node = node.args[0]
+        bypass = self.bypassable(value)
+        if bypass is not None:
+            # Read the fp32 origin; the data movement between it and the sites now carries fp32.
+            cast, moved = bypass
             cast.replace_all_uses_with(cast.args[0])
             self.graph.erase_node(cast)
-            for view in reversed(views):
-                _set_dtype(view, torch.float32)
+            for node in moved:
+                _set_dtype(node, torch.float32)
             result = value
         else:
             after = value
@@ -165,9 +164,11 @@ class _Rewriter:
         return result
 
     def _cast(self, value: Node, dtype: torch.dtype, name: str) -> Node:
-        node = self.graph.create_node(
-            "call_function", torch.ops.aten._to_copy.default, (value,), {"dtype": dtype}, name=name
-        )
+        if self.post_grad:
+            target, args, kwargs = torch.ops.prims.convert_element_type.default, (value, dtype), {}
+        else:
+            target, args, kwargs = torch.ops.aten._to_copy.default, (value,), {"dtype": dtype}
+        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
         node.meta.update({k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")})
         node.meta["val"] = value.meta["val"].to(dtype)
         return node
@@ -237,8 +238,11 @@ def _where(node: Node) -> tuple[str, str]:
     return fx.module_path(node), fx.source_line(node)
 
 
-def align(gm: GraphModule, options: Options, name: str = "graph") -> GraphReport:
-    """Rewrite `gm` in place to the rounding contract; return what was found and done."""
+def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: bool = False) -> GraphReport:
+    """Rewrite `gm` in place to the rounding contract; return what was found and done.
+
+    `post_grad`: the graph is Inductor's post-grad IR (inference passes, vLLM), where new casts
+    must be `prims.convert_element_type`; otherwise pre-dispatch ATen (the rla backend)."""
     graph = gm.graph
     matches, skipped, misses = find_sites(graph, options.sites)
     report = GraphReport(graph=name)
@@ -256,7 +260,7 @@ def align(gm: GraphModule, options: Options, name: str = "graph") -> GraphReport
         else:
             plans.append((match, dtype, None, ""))
     site_nodes = {n for m, _, status, _ in plans if status is None for n in m.nodes}
-    rewriter = _Rewriter(graph, site_nodes)
+    rewriter = _Rewriter(graph, site_nodes, post_grad)
 
     for match, dtype, status, reason in plans:
         if status is None:

@@ -26,7 +26,9 @@ __all__ = [
     "strip_casts",
     "casts_between",
     "is_view",
+    "moves_data",
     "constant",
+    "same_value",
     "normalize_dim",
     "module_path",
     "describe",
@@ -138,6 +140,36 @@ def casts_between(node: object, source: object) -> set[Node]:
 
 def is_view(node: object) -> bool:
     return is_op(node, *_VIEW_OPS)
+
+
+# Ops that only move data from args[0] (views, gathers, splits): rounding commutes with them.
+_MOVE_OPS = _VIEW_OPS | {"index", "index_select", "gather", "split", "split_with_sizes", "chunk", "getitem"}
+
+
+def moves_data(node: object) -> bool:
+    """Whether node's result is a rearrangement of args[0]'s elements (no arithmetic)."""
+    return is_op(node, *_MOVE_OPS) and isinstance(node.args[0], Node)
+
+
+def same_value(a: object, b: object, depth: int = 8) -> bool:
+    """a and b compute the same value: the same node, or the same data movement (views,
+    splits, getitems, casts) of the same values — graphs repeat `x[..., :h]` or a reshape
+    per use instead of sharing one node."""
+    if a is b:
+        return True
+    if depth == 0 or not (isinstance(a, Node) and isinstance(b, Node)):
+        return False
+    if a.target != b.target or not (moves_data(a) or is_cast(a)) or len(a.args) != len(b.args):
+        return False
+    if a.kwargs != b.kwargs:
+        return False
+    for x, y in zip(a.args, b.args):
+        if isinstance(x, Node) or isinstance(y, Node):
+            if not same_value(x, y, depth - 1):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def constant(arg: object) -> float | None:

@@ -129,10 +129,18 @@ def _pair_part(node: Node) -> tuple[Node, str, int] | None:
     return None
 
 
-def _key(node: Node) -> tuple:
-    """Nodes that compute the same value compare equal (graphs repeat `xs[..., 0]`)."""
-    part = _pair_part(node)
-    return ("part", *part) if part is not None else ("value", fx.strip_casts(node))
+def _same(a: Node, b: Node) -> bool:
+    return fx.same_value(fx.strip_casts(a), fx.strip_casts(b))
+
+
+def _same_pairs(products: list, want: list) -> bool:
+    """products [(a, b), (c, d)] equal want [(p, q), (r, s)] up to order, value for value."""
+
+    def pair(t, w):
+        return (_same(t[0], w[0]) and _same(t[1], w[1])) or (_same(t[0], w[1]) and _same(t[1], w[0]))
+
+    (t1, t2), (w1, w2) = products, want
+    return (pair(t1, w1) and pair(t2, w2)) or (pair(t1, w2) and pair(t2, w1))
 
 
 def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node] | None:
@@ -151,11 +159,12 @@ def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node]
     for x1, cos in (p1[0], p1[0][::-1]):
         for x2, sin in (p1[1], p1[1][::-1]):
             part1, part2 = _pair_part(x1), _pair_part(x2)
-            if part1 is None or part2 is None or part1[:2] != part2[:2] or (part1[2], part2[2]) != (0, 1):
+            if part1 is None or part2 is None or part1[1] != part2[1] or (part1[2], part2[2]) != (0, 1):
+                continue
+            if not fx.same_value(part1[0], part2[0]):
                 continue
             # the second half must be x2*cos + x1*sin, the same values (possibly other nodes)
-            want = {frozenset((_key(x2), _key(cos))), frozenset((_key(x1), _key(sin)))}
-            if {frozenset(map(_key, t)) for t in p2} == want:
+            if _same_pairs(p2, [(x2, cos), (x1, sin)]):
                 break
         else:
             continue
@@ -164,7 +173,8 @@ def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node]
         return None
     whole, layout = part1[:2]
     nodes = {anchor, first, second, *first.args, *second.args}
-    parts = {t for term in (*first.args, *second.args) for t in term.args if _key(t)[:2] == ("part", whole)}
+    parts = {t for term in (*first.args, *second.args) for t in term.args
+             if (part := _pair_part(t)) is not None and fx.same_value(part[0], whole)}
     nodes |= parts | {p.args[0] for p in parts if fx.is_op(p, "getitem")}  # the chunk/split itself
     out = anchor
     if layout == "pairs":  # x.reshape(..., -1, 2) ... stack(-1).flatten(-2)

@@ -1,6 +1,6 @@
 """Gated MLP activation: y = act(g) * u, act = silu (SwiGLU) or gelu (GeGLU).
 
-`F.silu`, `nn.SiLU` and `g * sigmoid(g)` read alike, as do separate gate/up projections and a
+`F.silu`, `nn.SiLU`, `g * sigmoid(g)` and Inductor's `g / (1 + exp(-g))` read alike, as do separate gate/up projections and a
 fused gate_up output split in either order (`chunk`, `split`, slices): the matcher only asks
 that the activation's output, through casts, is multiplied by another same-shape tensor that
 is not the activation's own input.
@@ -25,6 +25,17 @@ def _activation(anchor: Node) -> tuple[Node, Node, set[Node], str] | str | None:
     if fx.is_op(anchor, "gelu"):
         approx = anchor.kwargs.get("approximate", anchor.args[1] if len(anchor.args) > 1 else "none")
         return anchor.args[0], anchor, {anchor}, "gelu_tanh" if approx == "tanh" else "gelu"
+    if fx.is_op(anchor, "exp") and fx.is_op(anchor.args[0], "neg"):
+        # Inductor's decomposition of silu: x / (1 + exp(-x))
+        x = fx.strip_casts(anchor.args[0].args[0])
+        for plus_one in anchor.users:
+            if fx.is_op(plus_one, "add") and 1.0 in (fx.constant(a) for a in plus_one.args):
+                for div in plus_one.users:
+                    if fx.is_op(div, "div") and div.args[1] is plus_one and fx.strip_casts(div.args[0]) is x:
+                        nodes = {anchor, anchor.args[0], plus_one, div}
+                        nodes |= fx.casts_between(anchor.args[0].args[0], x) | fx.casts_between(div.args[0], x)
+                        return anchor.args[0].args[0], div, nodes, "silu"
+        return None
     if fx.is_op(anchor, "sigmoid"):
         g = fx.strip_casts(anchor.args[0])
         for user in anchor.users:
@@ -53,7 +64,7 @@ class GatedMLPMatcher:
     kind = "swiglu"
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
-        return fx.call_nodes(graph, "silu", "gelu", "sigmoid")
+        return fx.call_nodes(graph, "silu", "gelu", "sigmoid", "exp")
 
     def match(self, anchor: Node) -> Match | Miss | None:
         act = _activation(anchor)

@@ -1,0 +1,1 @@
+"""Integrations with other stacks; each imports its stack lazily."""
