@@ -99,3 +99,14 @@ def test_rla_off_is_stock_vllm(models, tmp_path):
     aligned = _probe(models / "qwen3", "rla", tmp_path)
     assert inert["runs"] == stock["runs"]  # rla's pass with nothing selected: stock, bit for bit
     assert aligned["runs"] != stock["runs"]  # and the pass does change the numerics
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_vllm_benchmarks_smoke(tmp_path):
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    for script, args in (("vllm_throughput.py", ["--reps", "1", "--tokens", "4"]), ("vllm_mismatch.py", [])):
+        done = subprocess.run([sys.executable, str(bench / script), *args, "--json", str(tmp_path / "r.json")],
+                              capture_output=True, text=True, timeout=1200)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads((tmp_path / "r.json").read_text())["results"]

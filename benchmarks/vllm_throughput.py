@@ -1,0 +1,85 @@
+"""vLLM with rla on vs off: engine start (load + compile + warm-up) and generation tokens/s,
+on the CPU build, each engine in its own process, repeated and alternated.
+
+    python benchmarks/vllm_throughput.py --json benchmarks/results/vllm_throughput_cpu.json
+    python benchmarks/vllm_throughput.py --reps 1 --tokens 8        # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write  # noqa: E402
+
+TINY = dict(hidden_size=128, head_dim=32, intermediate_size=256, vocab_size=512, max_position_embeddings=256)
+
+RUN = r"""
+import json, os, sys, time
+start = time.perf_counter()
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from rla_compile.integrations import vllm as rla_vllm
+model, mode, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+t0 = time.perf_counter()
+llm = LLM(model=model, dtype="bfloat16", max_model_len=256, max_num_seqs=8, seed=0, skip_tokenizer_init=True,
+          compilation_config=rla_vllm.compilation_config() if mode == "rla" else None)
+engine_start = time.perf_counter() - t0
+params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=7, ignore_eos=True, detokenize=False)
+prompts = [TokensPrompt(prompt_token_ids=list(range(3, 3 + n))) for n in (5, 17, 33, 64)]
+llm.generate(prompts, params, use_tqdm=False)  # first call compiles vLLM's sampler helpers
+t1 = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+elapsed = time.perf_counter() - t1
+generated = sum(len(o.outputs[0].token_ids) for o in outs)
+print(json.dumps({"engine_start_s": engine_start, "tokens_per_s": generated / elapsed}))
+"""
+
+
+def run(model: Path, mode: str, tokens: int, cache: Path) -> dict:
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(cache), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_AOT_COMPILE="0")
+    env.pop("RLA_VLLM_FP32_ROPE", None)
+    done = subprocess.run([sys.executable, "-c", RUN, str(model), mode, str(tokens)], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    from rla_compile.tiny import tiny_causal_lm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tiny_causal_lm("qwen3", **TINY).save_pretrained(tmp / "qwen3")
+        samples: dict[str, list[dict]] = {"stock": [], "rla": []}
+        for rep in range(args.reps):  # alternate; a fresh cache each time: cold compiles
+            for mode in samples:
+                samples[mode].append(run(tmp / "qwen3", mode, args.tokens, tmp / f"cache_{mode}_{rep}"))
+    result = {}
+    for mode, runs in samples.items():
+        result[mode] = {k: statistics.median(r[k] for r in runs) for k in ("engine_start_s", "tokens_per_s")}
+    result["ratio_rla_vs_stock"] = {k: result["rla"][k] / result["stock"][k] for k in ("engine_start_s", "tokens_per_s")}
+    print(f"{'':<8}{'engine start s':>16}{'tokens/s':>12}")
+    for mode in ("stock", "rla"):
+        print(f"{mode:<8}{result[mode]['engine_start_s']:>16.2f}{result[mode]['tokens_per_s']:>12.1f}")
+    ratio = result["ratio_rla_vs_stock"]
+    print(f"{'rla/stock':<8}{ratio['engine_start_s']:>16.3f}{ratio['tokens_per_s']:>12.3f}")
+    write(args.json, [result | {"reps": args.reps, "tokens": args.tokens}])
+    return result
+
+
+if __name__ == "__main__":
+    main()
