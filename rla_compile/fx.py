@@ -10,7 +10,7 @@ reads both.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.fx import Graph, Node
@@ -25,7 +25,6 @@ __all__ = [
     "is_cast",
     "strip_casts",
     "casts_between",
-    "is_view",
     "moves_data",
     "constant",
     "same_value",
@@ -138,10 +137,6 @@ def casts_between(node: object, source: object) -> set[Node]:
     return found
 
 
-def is_view(node: object) -> bool:
-    return is_op(node, *_VIEW_OPS)
-
-
 # Ops that only move data from args[0] (views, gathers, splits): rounding commutes with them.
 _MOVE_OPS = _VIEW_OPS | {"index", "index_select", "gather", "split", "split_with_sizes", "chunk", "getitem"}
 
@@ -233,8 +228,3 @@ def call_nodes(graph: Graph, *names: str) -> Iterator[Node]:
     for node in graph.nodes:
         if node.op == "call_function" and (not names or op_name(node) in names):
             yield node
-
-
-def users_outside(node: Node, region: Iterable[Node]) -> list[Node]:
-    region = set(region)
-    return [u for u in node.users if u not in region]
