@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import rla_compile
+import rla_compile.integrations.vllm
 from rla_compile.tiny import tiny_causal_lm
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
@@ -110,3 +111,69 @@ def test_vllm_benchmarks_smoke(tmp_path):
                               capture_output=True, text=True, timeout=1200)
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads((tmp_path / "r.json").read_text())["results"]
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_vllm_gpu_path_live(monkeypatch):
+    """vLLM's GPU compile path, run on CPU: the pieces split at attention, compiled through vLLM's
+    own PostGradPassManager with rla's pass added where vLLM adds a user's pass. The pieces
+    equal the stored captures (so `test_vllm_graphs.py` tests what this vLLM produces), and the
+    pass's reports inside the manager are the ones the captures give."""
+    import importlib.util
+
+    from test_vllm_graphs import EXPECTED, GRAPHS, counts
+
+    spec = importlib.util.spec_from_file_location("vllm_graphs_capture", GRAPHS / "capture.py")
+    capture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capture)
+
+    from rla_compile.integrations.vllm import FP32_ROPE_ENV, SUPPORTED, keep_rope_tables_fp32
+
+    import vllm
+    from packaging.version import Version
+
+    if not SUPPORTED[0] <= Version(Version(vllm.__version__).base_version) < SUPPORTED[1]:
+        pytest.skip(f"vLLM {vllm.__version__} is outside rla's supported range {SUPPORTED}")
+    monkeypatch.setenv(FP32_ROPE_ENV, "1")  # the table as compilation_config leaves it
+    keep_rope_tables_fp32()
+    for wrap in ("on", "off"):
+        rla = rla_compile.integrations.vllm.make_pass(rla_compile.Options.from_dict({}))
+        pieces = capture.capture(wrap == "on", passes=[rla])
+        assert len(pieces) == len(rla.reports) == 2
+        for i, (gm, report) in enumerate(zip(pieces, rla.reports)):
+            name = f"wrap_{wrap}_piece{i}"
+            stored = (GRAPHS / f"{name}.py").read_text()
+            assert gm.code.strip() in stored, f"vLLM's {name} changed: rerun tests/vllm_graphs/capture.py"
+            sites, misses = EXPECTED[name]
+            assert report.counts() == sites and counts(report.near_misses) == misses
+            assert {s.status for s in report.sites} == {"rewritten"}
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_sites_agree_hf_vs_vllm():
+    """The contract's promise: the same inputs give the same bits at every site, in both stacks.
+
+    Inputs captured from a tiny HF Qwen3 (vllm_sites.py); each stack computes each site with its
+    own code, compiled as it is in that stack (HF: backend=rla; vLLM: Inductor with rla's pass).
+    Default Inductor and pinned rounding (Inductor's emulate_precision_casts: rounding where the
+    code says, outside the sites) alike. The check can fail: with one stack stock and rounding
+    pinned, every site differs (with default Inductor stock RMSNorm and SwiGLU already agree on
+    CPU: Inductor fuses each into one kernel and drops the in-kernel roundings in both stacks)."""
+    from vllm_sites import capture_inputs, hf_sites, vllm_sites
+
+    model = tiny_causal_lm("qwen3", **VLLM_TINY)
+    inputs = capture_inputs(model)
+
+    def differing(a, b):
+        return {kind: [int((p != q).sum()) for p, q in zip(a[kind], b[kind])] for kind in a if
+                any(not torch.equal(p, q) for p, q in zip(a[kind], b[kind]))}
+
+    for pin in (False, True):
+        hf_rla, vllm_rla = hf_sites(model, inputs, True, pin), vllm_sites(model, inputs, True, pin)
+        aligned = differing(hf_rla, vllm_rla)
+        assert aligned == {}, f"pin_rounding={pin}: elements differing per site output: {aligned}"
+    everywhere = {"residual_rmsnorm", "rmsnorm", "swiglu", "rope"}
+    assert set(differing(hf_sites(model, inputs, False, True), vllm_rla)) == everywhere  # HF stock
+    assert set(differing(hf_rla, vllm_sites(model, inputs, False, True))) == everywhere  # vLLM stock

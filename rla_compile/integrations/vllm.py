@@ -7,7 +7,8 @@ What it does:
 - a post-grad Inductor pass (`RlaPass`) that runs the same engine as the torch.compile backend
   on vLLM's inference graphs (their casts are `prims.convert_element_type`, SiLU is decomposed
   to `x / (1 + exp(-x))`, RMSNorm arrives as plain ATen because vLLM-CPU turns the IR
-  op's torch wrapping off; `compilation_config` turns it off on GPUs too). vLLM hands the
+  op's torch wrapping off; `compilation_config` turns it off on GPUs too; left on, each norm
+  is one opaque `vllm_ir` node, reported as a near miss saying so). vLLM hands the
   pass to Inductor (CPU) or to its own pass manager (GPU, where it must be vLLM's
   `InductorPass`: the class derives from it when vLLM has one). Its `uuid()` is the options'
   key, so vLLM's compile cache and Inductor's change when rla's options do.
@@ -115,7 +116,8 @@ def _texts(gm) -> tuple[str, str]:
 
 
 def compilation_config(**options: Any) -> dict[str, Any]:
-    """vLLM's `compilation_config` with rla's pass; keyword arguments are rla's options.
+    """vLLM's `compilation_config` with rla's pass; keyword arguments are rla's options
+    (`inductor` patches and `pin_rounding` go to vLLM's Inductor config, as the backend's do).
 
     The returned dict's pass is at `["inductor_compile_config"]["post_grad_custom_post_pass"]`
     and keeps the reports (`.reports`). A warm Inductor cache serves the compiled graph without
@@ -129,8 +131,11 @@ def compilation_config(**options: Any) -> dict[str, Any]:
         keep_rope_tables_fp32()
     else:
         os.environ.pop(FP32_ROPE_ENV, None)
+    inductor = {**opts.inductor, "post_grad_custom_post_pass": make_pass(opts)}
+    if opts.pin_rounding:  # as the backend: round like eager outside the sites too
+        inductor["emulate_precision_casts"] = True
     return {
-        "inductor_compile_config": {"post_grad_custom_post_pass": make_pass(opts)},
+        "inductor_compile_config": inductor,
         # GPU: RMSNorm reaches passes as an opaque vllm_ir op unless its torch wrapping is off.
         "ir_enable_torch_wrap": False,
     }

@@ -7,6 +7,7 @@ before the one it extends (RMSNorm), so the same norm is one site, not two.
 from __future__ import annotations
 
 from .base import Match, Miss, SiteMatcher
+from .opaque import OpaqueNormMatcher
 from .residual_rmsnorm import ResidualRMSNormMatcher
 from .rmsnorm import RMSNormMatcher
 from .rope import RoPEMatcher
@@ -19,6 +20,7 @@ MATCHERS: tuple[SiteMatcher, ...] = (
     RMSNormMatcher(),
     GatedMLPMatcher(),
     RoPEMatcher(),
+    OpaqueNormMatcher(),  # finds no site: reports norms hidden in one op as near misses
 )
 
 SITE_KINDS: tuple[str, ...] = ("rmsnorm", "residual_rmsnorm", "swiglu", "rope")

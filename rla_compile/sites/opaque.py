@@ -1,0 +1,47 @@
+"""Norms computed inside one opaque op: found, never rewritten, always reported.
+
+vLLM's IR ops (`vllm_ir.rms_norm`, `vllm_ir.fused_add_rms_norm`) reach post-grad passes as
+single nodes while their torch wrapping is on (vLLM's default on GPUs); vLLM lowers them to
+their math only after every custom pass has run. ATen's `rms_norm` / `_fused_rms_norm` are
+the same shape of problem in a graph nobody decomposed. The math is out of the graph's
+reach, so the rounding inside cannot be moved: each such node is a near miss that says how
+to expose the math, instead of a norm that silently goes unaligned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch.fx import Graph, Node
+
+from .. import fx
+from .base import Miss
+
+__all__ = ["OpaqueNormMatcher", "OPAQUE_NORMS"]
+
+# op name -> the site it hides
+OPAQUE_NORMS = {
+    "rms_norm": "rmsnorm",
+    "_fused_rms_norm": "rmsnorm",
+    "fused_add_rms_norm": "residual_rmsnorm",
+}
+
+# what to do, by op namespace
+_HOW = {
+    "vllm_ir": "set vLLM's compilation_config ir_enable_torch_wrap=False (rla_compile.integrations.vllm"
+    ".compilation_config() does) so vLLM hands passes the norm's math",
+    "aten": "decompose it before the pass (the rla backend does)",
+}
+
+
+class OpaqueNormMatcher:
+    kind = "rmsnorm"
+
+    def candidates(self, graph: Graph) -> Iterable[Node]:
+        return fx.call_nodes(graph, *OPAQUE_NORMS)
+
+    def match(self, anchor: Node) -> Miss:
+        op = str(anchor.target)  # vllm_ir.rms_norm.default
+        how = _HOW.get(op.split(".")[0], "decompose it before the pass")
+        reason = f"{fx.describe(anchor)}: opaque {op} computes the whole norm in one op, out of reach: {how}"
+        return Miss(OPAQUE_NORMS[fx.op_name(anchor)], anchor, reason)
