@@ -25,6 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import checkpoint
 from .config import Options
 from .engine import align, is_site_rounding
 from .debug import Rewrite, dump, python_source, trace_artifacts, tracing
@@ -67,8 +68,20 @@ def _pre_dispatch(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule
     def run(*args):
         return torch.fx.Interpreter(gm).run(*args)
 
-    with fake_mode, fx_traceback.preserve_node_meta():
-        return make_fx(run, tracing_mode="real", pre_dispatch=True, decomposition_table=_opaque_sites())(*fake)
+    with fake_mode, fx_traceback.preserve_node_meta(), checkpoint.vanilla_context_fn(gm):
+        aten_gm = make_fx(run, tracing_mode="real", pre_dispatch=True, decomposition_table=_opaque_sites())(*fake)
+    checkpoint.strip_context_fn(aten_gm)
+    return aten_gm
+
+
+def _align(gm: GraphModule, options: Options) -> GraphReport:
+    """Align the graph and the bodies of its activation-checkpointed regions: one report."""
+    report = align(gm, options, name=_graph_name())
+    for body in checkpoint.bodies(gm):
+        inner = align(body, options, name=report.graph)
+        report.sites.extend(inner.sites)
+        report.near_misses.extend(inner.near_misses)
+    return report
 
 
 def _opaque_sites() -> dict:
@@ -103,12 +116,15 @@ class Backend:
         return f"rla_compile.Backend({self.options})"
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        subclass = _subclass_input(example_inputs)
+        if subclass is not None:
+            return self._compile_unaligned(gm, example_inputs, kwargs.get("mode"), subclass)
         start = time.perf_counter()
         aten_gm = _pre_dispatch(gm, example_inputs)
         retraced = time.perf_counter()
         keep = self.keep_graphs or self.options.debug_dir is not None or tracing()
         before = (format_graph(aten_gm), python_source(aten_gm)) if keep else None
-        report = align(aten_gm, self.options, name=_graph_name())
+        report = _align(aten_gm, self.options)
         report.seconds = {"retrace": retraced - start, "rewrite": time.perf_counter() - retraced}
         self.reports.append(report)
         log.info("%s", report.summary())
@@ -120,6 +136,21 @@ class Backend:
                 dump(self.options.debug_dir, rewrite)
             trace_artifacts(rewrite)
         return self._compile(aten_gm, example_inputs, kwargs.get("mode"))
+
+    def _compile_unaligned(
+        self, gm: GraphModule, example_inputs: Sequence[Any], mode: str | None, subclass: str
+    ) -> Callable:
+        """Tensor-parallel graphs take DTensor parameters, which the pre-dispatch re-trace cannot
+        run (make_fx: "Unable to cast NotImplemented to Tensor"). Compile them as written and
+        say so in the report rather than fail the training step."""
+        note = (
+            f"not aligned: graph inputs are tensor subclasses ({subclass}, e.g. tensor-parallel "
+            "parameters) that rla's pre-dispatch re-trace does not support; compiled as written"
+        )
+        report = GraphReport(_graph_name(), note=note)
+        self.reports.append(report)
+        log.warning("%s", report.summary())
+        return self._compile(gm, example_inputs, mode)
 
     def _compile(self, gm: GraphModule, example_inputs: Sequence[Any], mode: str | None) -> Callable:
         if self.options.inner == "aot_eager":
@@ -137,6 +168,16 @@ class Backend:
         pin = PinSiteRounding(self.options)
         patches["post_grad_custom_post_pass"] = pin if user_pass is None else [*_as_list(user_pass), pin]
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _subclass_input(example_inputs: Sequence[Any]) -> str | None:
+    """The type name of the first tensor-subclass input (DTensor), or None."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value):
+            return type(value).__name__
+    return None
 
 
 def _as_list(value: Any) -> list:
