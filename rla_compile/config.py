@@ -50,6 +50,13 @@ class Options:
             sites = [s.strip() for s in sites.split(",") if s.strip()]
         if not isinstance(sites, Iterable):
             raise OptionError(f"sites must be a list of site names; valid: {', '.join(SITE_KINDS)}")
+        sites = list(sites)
+        not_names = [s for s in sites if not isinstance(s, str)]
+        if not_names:
+            raise OptionError(
+                f"option 'sites' takes site names (strings), got {', '.join(map(repr, not_names))}; "
+                f"valid: {', '.join(SITE_KINDS)}"
+            )
         sites = frozenset(sites)
         unknown = sorted(sites - set(SITE_KINDS))
         if unknown:
@@ -72,10 +79,17 @@ class Options:
         if not isinstance(self.inductor, Mapping):
             raise OptionError(f"option 'inductor' must be a dict of Inductor config patches, got {self.inductor!r}")
         object.__setattr__(self, "inductor", dict(self.inductor))
+        if self.inductor:
+            _check_inductor_settings(self.inductor)
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> Options:
         """The one door for user dicts (torch.compile's `options=`). Rejects unknown names."""
+        if options is not None and not isinstance(options, Mapping):
+            raise OptionError(
+                f"rla options must be a dict of option names to values, got {options!r}; "
+                f"e.g. options={{'sites': ['rope']}}"
+            )
         options = dict(options or {})
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(valid))
@@ -106,6 +120,19 @@ class Options:
         return hashlib.sha256(
             (_source_hash() + json.dumps(self.rewrite_key(), sort_keys=True)).encode()
         ).hexdigest()
+
+
+def _check_inductor_settings(patches: Mapping[str, Any]) -> None:
+    """Unknown Inductor settings fail here, naming the option, not later inside compile_fx."""
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    unknown = sorted(str(k) for k in patches if k not in known)
+    if unknown:
+        raise OptionError(
+            f"unknown Inductor setting(s) {', '.join(map(repr, unknown))} in option 'inductor'; "
+            "the names are torch._inductor.config's (e.g. 'max_autotune', 'triton.cudagraphs')"
+        )
 
 
 _SOURCE_HASH: str | None = None

@@ -85,7 +85,16 @@ def find_sites(graph: Graph, selected: Iterable[str]) -> tuple[list[Match], list
 def _site_dtype(match: Match) -> torch.dtype:
     dtypes = [fx.dtype_of(n) for n in match.nodes]
     dtypes += [fx.dtype_of(p) for n in match.nodes for p in n.all_input_nodes]
-    return next((d for d in dtypes if d in fx.LOW_PRECISION), torch.float32)
+    floating = (d for d in dtypes if d is not None and d.is_floating_point)
+    return next((d for d in dtypes if d in fx.LOW_PRECISION), next(floating, torch.float32))
+
+
+def _mixed_note(match: Match) -> str:
+    """A site whose inputs mix bf16 and fp16 is aligned like any other; say what that means."""
+    inputs = {p for n in match.nodes for p in n.all_input_nodes if p not in match.nodes}
+    if len({fx.dtype_of(p) for p in inputs} & set(fx.LOW_PRECISION)) < 2:
+        return ""
+    return "mixed bfloat16 and float16 inputs: each upcast; outputs keep their dtype (promoted ones are not rounded)"
 
 
 class _Rewriter:
@@ -255,8 +264,9 @@ def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: boo
     plans = []
     for match in matches:
         dtype = _site_dtype(match)
-        if dtype == torch.float32:
-            plans.append((match, dtype, "already_aligned", "float32 activations: no rounding to move"))
+        if dtype not in fx.LOW_PRECISION:
+            name = str(dtype).removeprefix("torch.")
+            plans.append((match, dtype, "already_aligned", f"{name} activations: no rounding to move"))
         else:
             plans.append((match, dtype, None, ""))
     site_nodes = {n for m, _, status, _ in plans if status is None for n in m.nodes}
@@ -274,6 +284,7 @@ def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: boo
             if not lowp_inside and not rounded_inputs:
                 status, reason = "already_aligned", "computed in fp32, rounded once"
             else:
+                reason = _mixed_note(match)
                 rewriter.rewrite(match)
                 status = "rewritten"
         report.sites.append(_site_report(match, status, dtype, reason, names[match]))
@@ -286,7 +297,9 @@ def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: boo
         report.near_misses.append(NearMiss(miss.kind, miss.anchor.name, fx.module_path(miss.anchor), miss.reason))
 
     if not any(fx.is_low_precision(n) for n in graph.nodes):
-        report.note = "nothing to align: activations are float32"
+        floats = sorted({str(d).removeprefix("torch.") for n in graph.nodes
+                         if (d := fx.dtype_of(n)) is not None and d.is_floating_point})
+        report.note = "nothing to align: " + (f"activations are {', '.join(floats)}" if floats else "no floating-point values")
     if any(s.status == "rewritten" for s in report.sites):
         graph.lint()
         gm.recompile()

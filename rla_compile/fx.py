@@ -24,6 +24,7 @@ __all__ = [
     "is_low_precision",
     "is_cast",
     "strip_casts",
+    "widens",
     "casts_between",
     "moves_data",
     "constant",
@@ -121,9 +122,18 @@ def is_cast(node: object) -> bool:
     return val.device == src_val.device
 
 
+def widens(node: object) -> bool:
+    """A cast that keeps the value exactly (bf16/fp16 -> fp32, fp32 -> fp64, a same-dtype copy)."""
+    if not is_cast(node):
+        return False
+    src, dst = dtype_of(node.args[0]), dtype_of(node)
+    return src == dst or torch.finfo(dst).bits > torch.finfo(src).bits
+
+
 def strip_casts(node: object) -> object:
-    """Follow dtype-only casts back to the value they convert."""
-    while is_cast(node):
+    """Follow exact upcasts back to the value they convert. A rounding (fp32 -> bf16) is a value
+    of its own: `y.to(bf16).float()` is the rounded y, not y, so the walk stops at it."""
+    while widens(node):
         node = node.args[0]
     return node
 

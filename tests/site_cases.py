@@ -148,6 +148,11 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_neox_chunk(q, cos, sin):  # ESM's rotate_half: the halves from chunk
+    q1, q2 = q.chunk(2, dim=-1)
+    return q * cos + torch.cat((-q2, q1), dim=-1) * sin
+
+
 def _cos_sin(dtype, dim=HEAD_DIM):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     freqs = torch.arange(T).float()[:, None] * inv_freq[None, :]
@@ -267,6 +272,7 @@ CASES = [
     Case("glu_gelu_tanh", "swiglu", glu_gelu_tanh, _g_u, lambda g, u: ref.gated(g, u, "gelu_tanh"), grads=(0, 1)),
     Case("rope_neox", "rope", rope_neox, _q_cos_sin, ref.rope, grads=(0, 1, 2)),
     Case("rope_neox_commuted", "rope", rope_neox_commuted, _q_cos_sin, ref.rope, grads=(0, 1, 2)),
+    Case("rope_neox_chunk", "rope", rope_neox_chunk, _q_cos_sin, ref.rope, grads=(0, 1, 2)),
     Case("rope_gptj", "rope", rope_gptj, _interleaved_cos_sin,
          lambda q, c, s: ref.rope(q, c, s, style="gptj"), grads=(0, 1, 2)),
     Case("rope_partial", "rope", rope_partial, _partial,

@@ -1,4 +1,5 @@
-"""What must not be rewritten: graphs without sites, look-alikes, fp32 models."""
+"""What must not be rewritten (graphs without sites, look-alikes, fp32 models), and bad input:
+integers, mixed dtypes, fp32 weights, fp16 models, invalid options (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import contract_reference as ref
 import rla_compile
 from models import expected_sites, tiny_causal_lm
+from site_cases import norm_llama
 
 X = torch.randn(4, 16, 64).bfloat16()
 Y = torch.randn(4, 16, 64).bfloat16()
@@ -25,6 +28,10 @@ def rsqrt_not_a_norm(x):  # rsqrt of something that is not mean(x^2)
 def rms_over_wrong_dim(x):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(0, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def times_rms(x):  # scales by the RMS: a bare sqrt multiplied in does not normalise
+    return x * torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 def layernorm_by_hand(x):  # mean-centred: a LayerNorm, not an RMSNorm
@@ -55,6 +62,7 @@ NEAR_MISSES = [
     (rsqrt_not_a_norm, (X,), "rmsnorm", "not a mean or sum/D"),
     (rms_over_wrong_dim, (X,), "rmsnorm", "not the last dim"),
     (layernorm_by_hand, (X,), "rmsnorm", "LayerNorm"),
+    (times_rms, (X,), "rmsnorm", "not multiplied by its own input"),
     (cat_not_a_rotation, (X,), "rope", "not a rotation"),
     (rotation_not_added, (X, Y, Z), "rope", "not added to x * cos"),
     (silu_not_gated, (X,), "swiglu", "not gated"),
@@ -81,11 +89,145 @@ def test_near_miss_is_reported_not_rewritten(fn, args, kind, reason):
 def test_fp32_model_has_nothing_to_align():
     pytest.importorskip("transformers")
     model = tiny_causal_lm("llama", dtype=torch.float32)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     backend = rla_compile.backend(inner="aot_eager")
     with torch.no_grad():
-        torch.compile(model, backend=backend)(torch.randint(0, 128, (1, 8)), use_cache=False)
+        got = torch.compile(model, backend=backend)(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        plain = torch.compile(model, backend="aot_eager")(ids, use_cache=False).logits
     (report,) = backend.reports
     assert report.note == "nothing to align: activations are float32"
     assert report.counts() == expected_sites(model.config)
     assert {s.status for s in report.sites} == {"already_aligned"}
     assert "nothing to align" in str(report)
+    assert torch.equal(got, plain)  # nothing changed: bit for bit the plain aot_eager compile
+
+
+def norm_of_rounded(x, w):  # found by the fuzzer: the rounding before the norm's upcast was removed
+    t = (x.float() * 3).to(x.dtype)
+    return norm_llama(t, w)
+
+
+def test_rounding_before_a_site_is_not_the_sites():
+    """A site reads its input as rounded by the code before it: `t.to(bf16).float()` is the
+    rounded t. Only the site's own casts are removed (eager kernels: bit for bit)."""
+    w = (1 + 0.2 * torch.randn(64)).bfloat16()
+    backend = rla_compile.backend(inner="aot_eager")
+    got = torch.compile(norm_of_rounded, backend=backend, fullgraph=True)(X, w)
+    assert backend.reports[0].count("rmsnorm", "rewritten") == 1
+    assert torch.equal(got, ref.rmsnorm((X.float() * 3).to(X.dtype), w))
+
+
+# -- bad input: each gets the documented behaviour (docs/reliability.md) --------------------
+def _aot_eager(fn, *args, **options):
+    backend = rla_compile.backend(inner="aot_eager", **options)
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    (report,) = backend.reports
+    return out, report
+
+
+def test_integer_graph_has_nothing_to_align():
+    a, b = torch.arange(12).view(3, 4), torch.arange(4)
+    got, report = _aot_eager(lambda a, b: (a * b + 3) // 2, a, b)
+    assert torch.equal(got, (a * b + 3) // 2)
+    assert report.sites == [] and report.note == "nothing to align: no floating-point values"
+
+
+def _swiglu(g, u):
+    return F.silu(g) * u
+
+
+def test_mixed_bf16_fp16_site_is_aligned_with_a_note():
+    """bf16 * fp16 promotes to fp32 in eager: the site upcasts both inputs, computes in fp32
+    and keeps the fp32 output dtype (nothing to round to)."""
+    g, u = X, Y.half()
+    got, report = _aot_eager(_swiglu, g, u)
+    (site,) = report.sites
+    assert (site.kind, site.status) == ("swiglu", "rewritten")
+    assert "mixed bfloat16 and float16 inputs" in site.reason
+    assert got.dtype == torch.float32
+    assert torch.equal(got, ref.gated(g.float(), u.float()))
+    assert not torch.equal(got, _swiglu(g, u))  # eager rounds silu(g) to bf16 first
+
+
+def test_mixed_dtypes_under_inductor():
+    """The same site through Inductor: compiles and keeps the fp32 output; Inductor's fp32
+    sigmoid may differ from eager's in the last fp32 bit, hence the fp32-ulp tolerance."""
+    g, u = X, Y.half()
+    backend = rla_compile.backend()
+    got = torch.compile(_swiglu, backend=backend, fullgraph=True)(g, u)
+    assert backend.reports[0].count("swiglu", "rewritten") == 1
+    torch.testing.assert_close(got, ref.gated(g.float(), u.float()), rtol=2e-7, atol=1e-6)
+
+
+def test_fp32_norm_weight_with_bf16_activations():
+    """`_keep_in_fp32_modules`-style: the weight stays fp32, the activations are bf16. The
+    site is rewritten; `w * y.to(bf16)` promotes, so its output is fp32, not rounded."""
+    w = 1 + 0.2 * torch.randn(64)
+    got, report = _aot_eager(norm_llama, X, w)
+    (site,) = report.sites
+    assert (site.kind, site.status, site.dtype) == ("rmsnorm", "rewritten", "bfloat16")
+    assert got.dtype == torch.float32
+    assert torch.equal(got, ref.rmsnorm(X, w, out_dtype=torch.float32))
+
+
+def test_fp32_function_is_unchanged_bit_for_bit():
+    x, w = X.float(), 1 + 0.2 * torch.randn(64)
+    got, report = _aot_eager(norm_llama, x, w)
+    assert report.note == "nothing to align: activations are float32"
+    assert [(s.kind, s.status) for s in report.sites] == [("rmsnorm", "already_aligned")]
+    torch._dynamo.reset()
+    plain = torch.compile(norm_llama, backend="aot_eager", fullgraph=True)(x, w)
+    assert torch.equal(got, plain)
+
+
+def test_no_sites_selected_skips_every_site():
+    got, report = _aot_eager(_swiglu, X, Y, sites=[])
+    assert [(s.kind, s.status) for s in report.sites] == [("swiglu", "skipped")]
+    assert "'swiglu' is not in options.sites" in report.sites[0].reason
+    assert torch.equal(got, _swiglu(X, Y))
+
+
+def test_fp16_model_is_aligned():
+    pytest.importorskip("transformers")
+    from hf_reference import contract_sites
+
+    model = tiny_causal_lm("llama", dtype=torch.float16)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    backend = rla_compile.backend(inner="aot_eager")
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        with contract_sites(model):
+            want = model(ids, use_cache=False).logits
+    (report,) = backend.reports
+    assert report.counts() == expected_sites(model.config)
+    assert {(s.status, s.dtype) for s in report.sites} == {("rewritten", "float16")}
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"sites": [1, "rope"]}, "option 'sites' takes site names (strings), got 1"),
+        ({"sites": [["rope"]]}, "option 'sites' takes site names (strings), got ['rope']"),
+        ({"inductor": {"max_autotun": True}}, "unknown Inductor setting(s) 'max_autotun' in option 'inductor'"),
+        ("rope", "rla options must be a dict of option names to values, got 'rope'"),
+    ],
+    ids=["site-not-a-string", "site-unhashable", "unknown-inductor-setting", "options-not-a-dict"],
+)
+def test_invalid_options_fail_before_compiling(options, message):
+    """Through torch.compile the error surfaces at the first call, before any tracing by
+    Inductor, naming the option; Options.from_dict raises the same OptionError directly."""
+    with pytest.raises(rla_compile.OptionError) as direct:
+        rla_compile.Options.from_dict(options)
+    assert message in str(direct.value)
+    with pytest.raises(Exception) as through_compile:
+        torch.compile(lambda x: x + 1, backend="rla", options=options)(torch.ones(2))
+    assert f"OptionError: {message}" in str(through_compile.value)
+
+
+def test_unknown_mode_names_the_valid_ones():
+    with pytest.raises(Exception) as error:
+        torch.compile(lambda x: x + 1, backend="rla", mode="fastest")(torch.ones(2))
+    assert "Unrecognized mode=fastest" in str(error.value) and "max-autotune" in str(error.value)

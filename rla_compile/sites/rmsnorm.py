@@ -101,9 +101,10 @@ def _inverse_rms(anchor: Node) -> tuple[Node, Node, set[Node]] | str:
 
 
 def _normalised(inv: Node, x: Node) -> Node | None:
-    """The node computing x * inv (or x / sqrt), x read through casts."""
+    """The node computing x * inv (or x / sqrt), x read through casts. A bare sqrt only
+    divides: `x * sqrt(mean(x^2))` scales by the RMS, it does not normalise."""
     for user in inv.users:
-        if fx.is_op(user, "mul") and inv in user.args:
+        if fx.is_op(user, "mul") and inv in user.args and not fx.is_op(inv, "sqrt"):
             other = user.args[1] if user.args[0] is inv else user.args[0]
             if fx.strip_casts(other) is x:
                 return user

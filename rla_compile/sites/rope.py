@@ -55,7 +55,7 @@ def _rotate_half(cat: Node) -> tuple[Node, set[Node], str] | None:
     hi = _last_dim_slice(neg.args[0])
     low = _last_dim_slice(lo)
     if hi is None or low is None or hi[0] is not low[0]:
-        return None
+        return _rotate_chunked_halves(cat, neg, lo)
     x, size = hi[0], fx.shape_of(hi[0])[-1]
     if dim % len(fx.shape_of(cat)) != len(fx.shape_of(cat)) - 1:
         return None
@@ -63,6 +63,18 @@ def _rotate_half(cat: Node) -> tuple[Node, set[Node], str] | None:
     if (low[1], low[3], hi[3]) != (0, 1, 1) or (half is not None and (low[2] != half or hi[1] != half or hi[2] != size)):
         return None
     return x, {cat, neg, neg.args[0], lo}, "neox"
+
+
+def _rotate_chunked_halves(cat: Node, neg: Node, lo: Node) -> tuple[Node, set[Node], str] | None:
+    """cat([-x2, x1], -1) with x1, x2 = x.chunk(2, -1) (ESM's rotate_half) -> (x, nodes, "neox")."""
+    hi, low = _pair_part(neg.args[0]), _pair_part(lo)
+    if hi is None or low is None or (hi[1:], low[1:]) != (("halves", 1), ("halves", 0)) or hi[0] is not low[0]:
+        return None
+    shape = fx.shape_of(cat)
+    if (cat.args[1] if len(cat.args) > 1 else 0) % len(shape) != len(shape) - 1:
+        return None
+    nodes = {cat, neg, neg.args[0], lo} | {p.args[0] for p in (neg.args[0], lo) if fx.is_op(p, "getitem")}
+    return hi[0], nodes, "neox"
 
 
 def _rotate_interleaved(stack: Node) -> tuple[Node, Node, set[Node], str] | None:

@@ -1,0 +1,475 @@
+"""Random programs for the fuzzer (test_fuzz.py): site spellings and look-alikes in random
+surroundings, each with its contract reference.
+
+A program is Python source over a stream `h` of shape (d0, d1, D) in the activation dtype T:
+a chain of blocks, each a surrounding op (matmul, add, mul, scale, transpose, tanh), a site
+written in one of its spellings, or a look-alike that must not be rewritten. Every block
+writes two texts:
+
+- the model: the block as users write it (casts where the spelling puts them);
+- the reference: the same block under the contract — for a site, its inputs upcast on entry,
+  the same formula in fp32 with no rounding inside, one rounding per output (cos/sin that the
+  model rounds from fp32 tables are read unrounded); for everything else, the model's text.
+
+The reference is plain eager code and shares nothing with rla_compile. Its fp32 formula is
+the one the spelling writes (`x / sqrt(...)`, `g * sigmoid(g)`), because the rewrite moves
+roundings and keeps the math as written; for the canonical spelling it is
+contract_reference's formula (checked in test_fuzz.py).
+
+Choices come from a `pick(options)` callable, so the same builder serves hypothesis (which
+shrinks a failure to its smallest program) and a seeded `random.Random`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import contract_reference
+
+Pick = Callable[[Sequence], object]
+
+DTYPE_NAMES = {torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16", torch.float32: "torch.float32"}
+
+
+@dataclass
+class Input:
+    name: str
+    kind: str  # act, matrix, norm_weight, gemma_weight, cos, sin, inv_freq, positions, freqs_cis
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Program:
+    dtype: torch.dtype
+    inputs: list[Input] = field(default_factory=list)
+    model: list[str] = field(default_factory=list)
+    reference: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    sites: list[tuple[str, str]] = field(default_factory=list)  # (kind, status) expected in the report
+    misses: list[str] = field(default_factory=list)  # near-miss kinds expected in the report
+    blocks: list[str] = field(default_factory=list)  # one line per block, for failure messages
+
+    def source(self, reference: bool = False) -> str:
+        args = ", ".join(i.name for i in self.inputs)
+        body = self.reference if reference else self.model
+        lines = [f"def {'reference' if reference else 'model'}({args}):", *("    " + line for line in body)]
+        lines.append(f"    return ({', '.join(self.outputs)},)")
+        return "\n".join(lines)
+
+    def functions(self) -> tuple[Callable, Callable]:
+        namespace: dict = {"torch": torch, "F": F, "_silu": torch.nn.SiLU(), "ref": contract_reference}
+        exec(compile(self.source(), "<fuzz model>", "exec"), namespace)
+        exec(compile(self.source(reference=True), "<fuzz reference>", "exec"), namespace)
+        return namespace["model"], namespace["reference"]
+
+    def make_inputs(self, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(seed)
+        return tuple(_make(spec, gen) for spec in self.inputs)
+
+    def __str__(self) -> str:
+        return "\n".join(
+            [f"dtype {self.dtype}; blocks: " + " | ".join(self.blocks), self.source(), self.source(reference=True)]
+        )
+
+
+def _make(spec: Input, gen: torch.Generator) -> torch.Tensor:
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    if spec.kind == "positions":
+        return torch.arange(spec.shape[0])
+    if spec.kind == "inv_freq":
+        (n,) = spec.shape
+        return 1.0 / (10000 ** (torch.arange(n, dtype=torch.float32) / n))
+    if spec.kind in ("cos", "sin"):
+        rows, n = spec.shape
+        angles = torch.arange(rows, dtype=torch.float32)[:, None] * (1.0 / (10000 ** (torch.arange(n) / n)))[None, :]
+        return (angles.cos() if spec.kind == "cos" else angles.sin()).to(spec.dtype)
+    if spec.kind == "freqs_cis":
+        rows, n = spec.shape
+        angles = torch.arange(rows, dtype=torch.float32)[:, None] * (1.0 / (10000 ** (torch.arange(n) / n)))[None, :]
+        return torch.polar(torch.ones_like(angles), angles)
+    if spec.kind == "matrix":
+        return (randn(*spec.shape) / math.sqrt(spec.shape[0])).to(spec.dtype)
+    if spec.kind == "norm_weight":
+        return (1 + 0.2 * randn(*spec.shape)).to(spec.dtype)
+    if spec.kind == "gemma_weight":
+        return (0.2 * randn(*spec.shape)).to(spec.dtype)
+    return (randn(*spec.shape) * 2).to(spec.dtype)
+
+
+class _Builder:
+    def __init__(self, pick: Pick, dtype: torch.dtype, d0: int, d1: int, heads: int, head_dim: int):
+        self.pick, self.T = pick, DTYPE_NAMES[dtype]
+        self.p = Program(dtype)
+        self.shape = [d0, d1, heads * head_dim]
+        self.heads, self.head_dim = heads, head_dim
+        self.counter = 0
+        self.last_add = False  # the stream is an add of two same-shape tensors (a norm would read a residual)
+        self.input("act", tuple(self.shape), dtype, "x")
+        self.both("h = x")
+
+    # -- text ---------------------------------------------------------------------------
+    def name(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def input(self, kind: str, shape: tuple, dtype: torch.dtype, prefix: str = "a") -> str:
+        name = self.name(prefix) if prefix != "x" else "x"
+        self.p.inputs.append(Input(name, kind, tuple(shape), dtype))
+        return name
+
+    def both(self, *lines: str) -> None:
+        self.p.model += lines
+        self.p.reference += lines
+
+    def fork(self, model: list[str], reference: list[str]) -> None:
+        self.p.model += model
+        self.p.reference += reference
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.p.dtype
+
+    @property
+    def low(self) -> bool:
+        return self.p.dtype != torch.float32
+
+    def site(self, kind: str, aligned: bool, note: str) -> None:
+        self.p.sites.append((kind, "already_aligned" if aligned or not self.low else "rewritten"))
+        self.p.blocks.append(f"{kind}: {note}")
+
+    def round_spelling(self, value: str, like: str) -> str:
+        """How the model rounds `value` back to the activation dtype of `like`."""
+        return self.pick([f"{value}.to({like}.dtype)", f"{value}.type_as({like})", f"{value}.to({self.T})"])
+
+    # -- surrounding ops ----------------------------------------------------------------
+    def op(self) -> None:
+        kind = self.pick(["matmul", "linear", "add", "mul", "scale", "transpose", "tanh"])
+        D = self.shape[2]
+        if kind in ("matmul", "linear"):
+            w = self.input("matrix", (D, D), self.dtype, "w")
+            self.both("h = h @ " + w if kind == "matmul" else f"h = F.linear(h, {w})")
+        elif kind in ("add", "mul"):
+            other = self.input("act", tuple(self.shape), self.dtype)
+            self.both(f"h = h {'+' if kind == 'add' else '*'} {other}")
+        elif kind == "scale":
+            self.both(self.pick(["h = h * 0.5", "h = 2.0 * h"]))
+        elif kind == "transpose":
+            self.both("h = h.transpose(0, 1)")
+            self.shape[0], self.shape[1] = self.shape[1], self.shape[0]
+        else:
+            self.both("h = torch.tanh(h) * 3")
+        self.last_add = kind == "add"
+        self.p.blocks.append(kind)
+
+    def not_a_residual(self) -> None:
+        if self.last_add:  # a norm of an add is a residual norm: keep this one plain
+            self.both("h = h * 0.5")
+            self.last_add = False
+
+    # -- RMSNorm ------------------------------------------------------------------------
+    def norm_body(self, xf: str) -> tuple[list[str], str, str, float | None]:
+        """Lines computing y = xf * inv_rms(xf) in one spelling (fp32 or not, as xf is), and
+        the eps when the fp32 formula is contract_reference's (mean, rsqrt), else None."""
+        D = self.shape[2]
+        square = self.pick([f"{xf}.pow(2)", f"{xf} * {xf}", f"{xf}.square()"])
+        reduce = self.pick([
+            "sq.mean(-1, keepdim=True)", "sq.mean(dim=2, keepdim=True)", "torch.mean(sq, -1, True)",
+            f"sq.sum(-1, keepdim=True) / {D}", f"sq.sum(dim=-1, keepdim=True) * (1.0 / {D})",
+        ])
+        eps = self.pick(["1e-06", "1e-05"])
+        with_eps = self.pick([f"ms + {eps}", f"{eps} + ms", f"ms.add({eps})", "ms"])
+        inverse = self.pick(["rsqrt", "1/sqrt", "pow", "div", "reciprocal"])
+        y = {
+            "rsqrt": self.pick([f"{xf} * torch.rsqrt(v)", f"torch.rsqrt(v) * {xf}"]),
+            "1/sqrt": f"{xf} * (1 / torch.sqrt(v))",
+            "pow": f"{xf} * v.pow(-0.5)",
+            "div": f"{xf} / torch.sqrt(v)",
+            "reciprocal": f"torch.sqrt(v).reciprocal() * {xf}",
+        }[inverse]
+        lines = [f"sq = {square}", f"ms = {reduce}", f"v = {with_eps}", f"y = {y}"]
+        canonical = inverse == "rsqrt" and "mean" in reduce
+        eps_value = (0.0 if with_eps == "ms" else float(eps)) if canonical else None
+        return lines, "y", f"{square}, {reduce}, {with_eps}, {inverse}", eps_value
+
+    def rmsnorm(self, residual: bool = False) -> None:
+        D = self.shape[2]
+        upcast = self.pick(["float", "to", "none"])
+        weight = self.pick(["llama", "gemma", None])
+        w32 = weight is not None and self.pick([False, True])  # _keep_in_fp32_modules
+        round_after = upcast != "none" and weight is not None and self.pick([False, True])
+        w = None
+        if weight is not None:
+            kind = "gemma_weight" if weight == "gemma" else "norm_weight"
+            w = self.input(kind, (D,), torch.float32 if w32 else self.dtype, "w")
+
+        model, reference = [], []
+        x = "h"
+        if residual:
+            r = self.input("act", tuple(self.shape), self.dtype, "r")
+            fp32_sum = upcast != "none" and self.pick([False, True])  # vLLM native: the fp32 sum feeds the norm
+            if fp32_sum:
+                model += [f"s = h.float() + {r}.float()", f"s_out = {self.round_spelling('s', 'h')}"]
+            else:
+                model += [self.pick([f"s = h + {r}", f"s = {r} + h"]), "s_out = s"]
+            reference += [f"s = h.float() + {r}.float()", f"s_out = s.to({self.T})"]
+            x = "s"
+        else:
+            self.not_a_residual()
+        xf = {"float": f"{x}.float()", "to": f"{x}.to(torch.float32)", "none": x}[upcast]
+        model.append(f"xf = {xf}")
+        body, y, note, eps = self.norm_body("xf")
+        model += body
+
+        out_fp32 = w32 and not round_after  # bf16 activations times an fp32 weight promote
+        if weight is None:
+            model.append("out = " + (self.round_spelling(y, "h") if upcast != "none" else y))
+        else:
+            scale = w if weight == "llama" else self.pick([f"(1 + {w})", f"({w} + 1)"])
+            if round_after:
+                scale32 = f"{w}.float()" if weight == "llama" else f"(1.0 + {w}.float())"
+                model.append("out = " + self.round_spelling(f"({y} * {scale32})", "h"))
+            else:
+                yl = self.round_spelling(y, "h") if upcast != "none" else y
+                model.append(self.pick([f"out = {scale} * {yl}", f"out = {yl} * {scale}"]))
+        out_dtype = "torch.float32" if out_fp32 else self.T
+        if eps is not None:
+            reference.append(f"out = ref.rmsnorm({x}, {w}, eps={eps}, gemma={weight == 'gemma'}, out_dtype={out_dtype})")
+        else:  # the spelling's own fp32 formula (1/sqrt, x / sqrt, sum / D ...), rounded once
+            reference += [f"xf = {x}.float()", *body]
+            if weight is None:
+                result = y
+            else:
+                result = f"{y} * {w}.float()" if weight == "llama" else f"{y} * (1.0 + {w}.float())"
+            reference.append(f"out = ({result}).to({out_dtype})")
+        if out_fp32:  # the next matmul needs the activation dtype again, as in HF with fp32 norms
+            model.append(f"out = out.to({self.T})")
+            reference.append(f"out = out.to({self.T})")
+        self.fork([*model, "h = out"], [*reference, "h = out"])
+        if residual:  # the residual stream leaves the site too, rounded once
+            stream = self.name("s_out")
+            self.both(f"{stream} = s_out")
+            self.p.outputs.append(stream)
+        aligned = upcast != "none" and (round_after or weight is None) and not (residual and not fp32_sum)
+        self.site("residual_rmsnorm" if residual else "rmsnorm", aligned,
+                  f"upcast={upcast} weight={weight} w32={w32} round_after={round_after} {note}")
+        self.last_add = False
+
+    # -- SwiGLU / GeGLU -----------------------------------------------------------------
+    def swiglu(self) -> None:
+        D = self.shape[2]
+        Fd = self.pick([D, 2 * D, 24])
+        fused = self.pick([None, "chunk", "split", "slices"])
+        lines = []
+        if fused is None:
+            wg, wu = self.input("matrix", (D, Fd), self.dtype, "wg"), self.input("matrix", (D, Fd), self.dtype, "wu")
+            lines += [f"g = h @ {wg}", f"u = h @ {wu}"]
+        else:
+            wgu = self.input("matrix", (D, 2 * Fd), self.dtype, "wgu")
+            first, second = self.pick([("g", "u"), ("u", "g")])
+            split = {
+                "chunk": "gu.chunk(2, dim=-1)",
+                "split": f"gu.split({Fd}, dim=-1)",
+                "slices": f"gu[..., :{Fd}], gu[..., {Fd}:]",
+            }[fused]
+            lines += [f"gu = h @ {wgu}", f"{first}, {second} = {split}"]
+        act = self.pick(["silu", "module", "x_sigmoid", "sigmoid_x", "gelu_tanh", "gelu"])
+
+        def activation(g):
+            return {
+                "silu": f"F.silu({g})", "module": f"_silu({g})", "x_sigmoid": f"{g} * torch.sigmoid({g})",
+                "sigmoid_x": f"torch.sigmoid({g}) * {g}", "gelu_tanh": f"F.gelu({g}, approximate='tanh')",
+                "gelu": f"F.gelu({g})",
+            }[act]
+
+        upcast = self.pick(["none", "gate", "both"])
+        product = self.pick(["a * {u}", "{u} * a"])
+        if upcast == "none":
+            model = ["gf = g", f"a = {activation('gf')}", "y = " + product.format(u="u")]
+        elif upcast == "gate":
+            rounded = self.round_spelling(f"({activation('gf')})", "g")
+            model = ["gf = g.float()", f"a = {rounded}", "y = " + product.format(u="u")]
+        else:
+            model = ["gf = g.float()", f"a = {activation('gf')}", "y = " + self.round_spelling(f"({product.format(u='u.float()')})", "g")]
+        formula = {"silu": "silu", "module": "silu", "x_sigmoid": "x_sigmoid", "sigmoid_x": "x_sigmoid"}.get(act, act)
+        reference = [f"y = ref.gated(g, u, {formula!r})"]
+        wd = self.input("matrix", (Fd, D), self.dtype, "wd")
+        self.both(*lines)
+        self.fork(model, reference)
+        self.both(f"h = y @ {wd}")
+        self.site("swiglu", upcast == "both", f"act={act} fused={fused} upcast={upcast} {product}")
+        self.last_add = False
+
+    # -- RoPE ---------------------------------------------------------------------------
+    def _tables(self, rows: int, n: int, layout: str, upcast: bool) -> tuple[list[str], list[str], str]:
+        """cos/sin of shape (rows, n) from one source -> (model lines, reference lines, note)."""
+        # A site that upcasts tables the graph rounded from fp32 (`cos32.to(bf16)` then
+        # `cos.float()` inside the site) keeps that rounding: a known gap, not generated.
+        source = self.pick(["table", "fp32_table"] + ([] if upcast else ["fp32_table_rounded", "computed"]))
+        if not self.low:
+            source = "fp32_table"
+        if source in ("table", "fp32_table"):
+            dtype = self.dtype if source == "table" else torch.float32
+            c, s = self.input("cos", (rows, n), dtype, "cos"), self.input("sin", (rows, n), dtype, "sin")
+            lines = [f"cos, sin = {c}, {s}"]
+            return lines, lines, source
+        if source == "fp32_table_rounded":
+            c, s = self.input("cos", (rows, n), torch.float32, "cos"), self.input("sin", (rows, n), torch.float32, "sin")
+            model = [f"cos, sin = {c}.to({self.T}), {s}.to({self.T})"]
+            return model, [f"cos, sin = {c}, {s}"], source
+        # computed in the graph from positions, HF style, then rounded for the sites
+        half = n // 2 if layout != "pairs" else n
+        inv = self.input("inv_freq", (half,), torch.float32, "inv_freq")
+        pos = self.input("positions", (rows,), torch.int64, "pos")
+        emb = {"neox": "torch.cat((freqs, freqs), dim=-1)", "gptj": "freqs.repeat_interleave(2, dim=-1)", "pairs": "freqs"}[layout]
+        common = [f"freqs = {pos}[:, None].float() * {inv}[None, :]", f"emb = {emb}"]
+        return ([*common, f"cos, sin = emb.cos().to({self.T}), emb.sin().to({self.T})"],
+                [*common, "cos, sin = emb.cos(), emb.sin()"], source)
+
+    def rope(self) -> None:
+        d0, d1, D = self.shape
+        H, hd = self.heads, self.head_dim
+        style = self.pick(["neox", "neox_chunk", "gptj", "pairs_interleaved", "pairs_halves", "pairs_gptfast", "complex"])
+        two = self.pick([False, True])  # q and k: two sites sharing the tables
+        partial = style in ("neox", "gptj") and self.pick([False, True])
+        n = hd // 2 if partial or style.startswith("pairs") or style == "complex" else hd
+        upcast = style == "complex" or (self.low and self.pick([False, True]))
+        heads = ["q"] + (["k"] if two else [])
+        self.both(f"q = h.reshape({d0}, {d1}, {H}, {hd}).transpose(1, 2)")
+        if two:
+            wk = self.input("matrix", (D, D), self.dtype, "wk")
+            self.both(f"k = (h @ {wk}).reshape({d0}, {d1}, {H}, {hd}).transpose(1, 2)")
+
+        if style == "complex":
+            freqs = self.input("freqs_cis", (d1, n), torch.complex64, "freqs")
+            for t in heads:
+                body = (f"torch.view_as_real(torch.view_as_complex({t}.float().reshape({d0}, {H}, {d1}, -1, 2)) * {freqs})"
+                        ".flatten(-2)")
+                self.fork([f"{t}_out = {body}.type_as({t})"], [f"{t}_out = {body}.to({self.T})"])
+            self._rope_done(heads, True, f"complex two={two}")
+            return
+
+        layout = "neox" if style.startswith("neox") else "gptj" if style == "gptj" else "pairs"
+        table_model, table_ref, source = self._tables(d1, n, layout, upcast)
+        self.fork(table_model, table_ref)
+        order = self.pick(["x * cos + r * sin", "r * sin + x * cos", "cos * x + sin * r"])
+        split = self.pick(["chunk", "slices"])
+
+        def rotation(x: str, cos: str, sin: str) -> list[str]:
+            """Lines computing `out` from x (shape ..., m) in this style."""
+            m = n if partial or not style.startswith("pairs") else hd
+            if style == "neox":
+                rot = self.pick([f"torch.cat((-{x}[..., {m // 2}:], {x}[..., :{m // 2}]), dim=-1)",
+                                 f"torch.cat((-{x}[..., {x}.shape[-1] // 2:], {x}[..., : {x}.shape[-1] // 2]), dim=-1)"])
+                return [f"r = {rot}", "out = " + order.replace("x", x).replace("cos", cos).replace("sin", sin)]
+            if style == "neox_chunk":  # ESM's rotate_half
+                return [f"x1, x2 = {x}.chunk(2, dim=-1)", "r = torch.cat((-x2, x1), dim=-1)",
+                        "out = " + order.replace("x", x).replace("cos", cos).replace("sin", sin)]
+            if style == "gptj":
+                return [f"r = torch.stack((-{x}[..., 1::2], {x}[..., ::2]), dim=-1).flatten(-2)",
+                        "out = " + order.replace("x", x).replace("cos", cos).replace("sin", sin)]
+            if style == "pairs_gptfast":
+                return [f"xs = {x}.reshape(*{x}.shape[:-1], -1, 2)", "x1, x2 = xs[..., 0], xs[..., 1]",
+                        f"out = torch.stack([x1 * {cos} - x2 * {sin}, x2 * {cos} + x1 * {sin}], -1).flatten(-2)"]
+            if style == "pairs_interleaved":
+                parts = f"x1, x2 = {x}[..., 0::2], {x}[..., 1::2]"
+            else:
+                parts = f"x1, x2 = {x}.chunk(2, dim=-1)" if split == "chunk" else f"x1, x2 = {x}[..., :{hd // 2}], {x}[..., {hd // 2}:]"
+            return [parts, f"out = torch.cat([x1 * {cos} - x2 * {sin}, x2 * {cos} + x1 * {sin}], dim=-1)"]
+
+        for t in heads:
+            xr = f"{t}[..., :{n}]" if partial else t
+            model, reference = [], []
+            if upcast:
+                model += [f"xq = {xr}.float()"] + rotation("xq", "cos.float()", "sin.float()")
+                model.append(f"out = {self.round_spelling('out', t)}")
+            else:
+                model += [f"xq = {xr}"] + rotation("xq", "cos", "sin")
+                if self.low and source == "fp32_table":  # fp32 tables promote: round back at the end
+                    model.append(f"out = {self.round_spelling('out', t)}")
+            tail = [f"{t}_out = torch.cat((out, {t}[..., {n}:]), dim=-1)" if partial else f"{t}_out = out"]
+            if style in ("neox", "neox_chunk", "gptj"):
+                reference = [f"{t}_out = ref.rope({t}, cos, sin, style={layout!r}, rotary_dim={n})"]
+            elif style in ("pairs_interleaved", "pairs_halves"):
+                reference = [f"{t}_out = ref.rope_pairs({t}, cos, sin, layout={style.removeprefix('pairs_')!r})"]
+            else:  # gpt-fast's pairs, interleaved back on output: its own fp32 formula
+                reference = [f"xq = {xr}.float()", *rotation("xq", "cos.float()", "sin.float()"), f"out = out.to({self.T})", *tail]
+            self.fork(model + tail, reference)
+        aligned = upcast and source in ("table", "fp32_table")
+        self._rope_done(heads, aligned, f"style={style} partial={partial} upcast={upcast} tables={source} {order} two={two}")
+
+    def _rope_done(self, heads: list[str], aligned: bool, note: str) -> None:
+        d0, d1, D = self.shape
+        self.both(f"h = q_out.transpose(1, 2).reshape({d0}, {d1}, {D})")
+        if "k" in heads:
+            k = self.name("k_out")
+            self.both(f"{k} = k_out")
+            self.p.outputs.append(k)
+        for _ in heads:
+            self.site("rope", aligned, note)
+        self.last_add = False
+
+    # -- look-alikes: rewritten by nothing, reported (kind) or ignored (None) ------------
+    def lookalike(self) -> None:
+        d0, d1, D = self.shape
+        other = self.input("act", tuple(self.shape), self.dtype)
+        T = self.T
+        cases = {
+            "norm_wrong_dim": (["hf = h.float()", f"h = (hf * torch.rsqrt(hf.pow(2).mean({self.pick([0, 1])}, keepdim=True) + 1e-6)).to({T})"], "rmsnorm"),
+            "norm_not_square": (["hf = h.float()", f"h = (hf * torch.rsqrt(hf.abs().mean(-1, keepdim=True) + 1e-6)).to({T})"], "rmsnorm"),
+            "norm_cube": (["hf = h.float()", f"h = (hf * torch.rsqrt(hf.pow(3).abs().mean(-1, keepdim=True) + 1e-6)).to({T})"], "rmsnorm"),
+            "norm_layernorm": (["hf = h.float()", "c = hf - hf.mean(-1, keepdim=True)",
+                                f"h = (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)).to({T})"], "rmsnorm"),
+            "norm_other_input": ([f"h = {other} * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)"], "rmsnorm"),
+            "norm_times_sqrt": (["h = h * torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)"], "rmsnorm"),
+            "norm_no_root": ([f"h = h / (h.pow(2).mean(-1, keepdim=True) + 1e-6)"], None),
+            "glu_not_gated": (["h = F.silu(h) * h"], "swiglu"),
+            "glu_gate": ([f"h = {other} * torch.sigmoid(h)"], "swiglu"),
+            "glu_quick_gelu": ([f"h = h * torch.sigmoid(1.702 * h) * {other}"], "swiglu"),
+            "glu_added": ([f"h = F.silu(h) + {other}"], "swiglu"),
+            "glu_ungated": ([f"h = F.gelu(h) @ {self.input('matrix', (D, D), self.dtype, 'w')}"], "swiglu"),
+            "glu_broadcast": ([f"h = F.silu(h) * {other}[..., :1]"], "swiglu"),
+            "rope_wrong_half": ([f"h = h * {other} + torch.cat((-h[..., :{D // 2}], h[..., {D // 2}:]), dim=-1) * {other}"], "rope"),
+            "rope_neg_second": ([f"h = h * {other} + torch.cat((h[..., {D // 2}:], -h[..., :{D // 2}]), dim=-1) * {other}"], "rope"),
+            "rope_not_swapped": ([f"h = h * {other} + torch.cat((h[..., {D // 2}:], h[..., :{D // 2}]), dim=-1) * {other}"], None),
+            "rope_not_added": ([f"h = torch.cat((-h[..., {D // 2}:], h[..., :{D // 2}]), dim=-1) * {other} - h * 0.5"], "rope"),
+            "rope_other_x": ([f"h = h * h.tanh() + torch.cat((-{other}[..., {D // 2}:], {other}[..., :{D // 2}]), dim=-1) * h"], "rope"),
+            "rope_pairs_wrong_sign": (["x1, x2 = h[..., 0::2], h[..., 1::2]",
+                                       f"h = torch.cat([x1 * {other}[..., ::2] + x2 * 0.5, x2 * {other}[..., ::2] - x1 * 0.5], dim=-1)"], None),
+        }
+        name = self.pick(sorted(cases))
+        lines, miss = cases[name]
+        self.both(*lines)
+        if miss is not None:
+            self.p.misses.append(miss)
+        self.p.blocks.append(f"look-alike {name}")
+        self.last_add = name in ("glu_added", "rope_wrong_half", "rope_neg_second", "rope_not_swapped", "rope_other_x")
+
+
+def build(pick: Pick, blocks: int | None = None, lookalikes: bool = True) -> Program:
+    """One random program: 1-4 blocks in random surroundings, bf16 or fp16 (fp32 rarely)."""
+    dtype = pick([torch.bfloat16, torch.bfloat16, torch.float16, torch.float16, torch.float32])
+    heads, head_dim = pick([1, 2]), pick([4, 8, 12, 16])
+    b = _Builder(pick, dtype, pick([1, 2, 3]), pick([3, 5, 8]), heads, head_dim)
+    kinds = ["op", "rmsnorm", "residual_rmsnorm", "swiglu", "rope"] + (["lookalike"] * 2 if lookalikes else [])
+    for _ in range(blocks if blocks is not None else pick([1, 2, 3, 4])):
+        kind = pick(kinds)
+        if kind == "op":
+            b.op()
+        elif kind == "rmsnorm":
+            b.rmsnorm()
+        elif kind == "residual_rmsnorm":
+            b.rmsnorm(residual=True)
+        else:
+            getattr(b, kind)()
+    if pick([False, True]):
+        b.op()
+    b.p.outputs.insert(0, "h")
+    return b.p
