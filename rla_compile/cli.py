@@ -1,12 +1,14 @@
 """The command line.
 
-    rla-compile demo                      sites of an embedded tiny model, and the mismatch rla removes
+    rla-compile demo                      the shipped model: its sites, and the mismatch baseline vs aligned
+    rla-compile mismatch [MODEL_DIR]      trainer vs inference mismatch: rla off / one side / both, per site
     rla-compile inspect [MODEL_DIR]       align a model, write the debug dump, print the site table
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -53,14 +55,55 @@ def inspect_model(model_dir: str | None, model_type: str, out: str, tokens: int,
     return 0
 
 
+def run_mismatch(args) -> int:
+    from . import mismatch
+
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731  progress apart from results
+    if args.localise:
+        from . import bundled
+        from .mismatch.localise import localise
+
+        model_dir = args.model_dir or bundled.MODEL_DIR
+        sequences = mismatch.sample(Path(model_dir), bundled.prompts(args.prompts, args.prompt_tokens), args.new_tokens,
+                                    args.seed)
+        with mismatch.timed(say, f"running {args.localise[0]} and {args.localise[1]}, recording every site"):
+            result = localise(*(mismatch.Stack.parse(a) for a in args.localise), sequences, model_dir)
+        print(result.table())
+        if args.json:
+            Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
+        return 0
+    report = mismatch.measure(args.model_dir, args.trainer, args.inference, ablation=args.ablation, prompts=args.prompts,
+                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, seed=args.seed, say=say)
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    if args.plot:
+        print(f"plot: {report.plot(args.plot)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rla-compile", description="Rounding-location alignment for torch.compile.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="find and align the sites of an embedded tiny model; show the mismatch it removes")
-    demo.add_argument("--model", default="llama", help="HF model type of the tiny model (default: llama)")
-    demo.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
-    demo.add_argument("--tokens", type=int, default=32, help="tokens per sequence (default: 32)")
+    demo = commands.add_parser("demo", help="the shipped model: the sites rla finds, then the mismatch baseline vs aligned")
+    demo.add_argument("--inference", choices=("vllm", "hf"), help="inference stack (default: vllm when installed, else hf)")
+
+    mismatch = commands.add_parser("mismatch", help="measure the trainer/inference mismatch; per-site ablation; localise")
+    mismatch.add_argument("model_dir", nargs="?", help="a local HF model directory (default: the shipped model)")
+    mismatch.add_argument("--trainer", default="hf-inductor:train",
+                          help="training stack (default: hf-inductor:train); form engine-compiler[:dtype][:train]")
+    mismatch.add_argument("--inference", help="'vllm', 'hf' or a stack such as vllm-eager, hf-aot_eager "
+                                              "(default: vllm when installed, else hf = hf-aot_eager)")
+    mismatch.add_argument("--ablation", action="store_true", help="align each site alone on both sides, then all")
+    mismatch.add_argument("--prompts", type=int, default=8, help="sequences (default: 8)")
+    mismatch.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default: 32)")
+    mismatch.add_argument("--new-tokens", type=int, default=64, help="sampled tokens per sequence (default: 64)")
+    mismatch.add_argument("--seed", type=int, default=0)
+    mismatch.add_argument("--json", help="write the report as JSON here")
+    mismatch.add_argument("--plot", help="write a PNG (δ histograms and per-configuration bars) here")
+    mismatch.add_argument("--localise", nargs=2, metavar=("A", "B"),
+                          help="instead: where two HF strategies part, per layer and site (e.g. hf-aot_eager hf-inductor)")
 
     inspect = commands.add_parser("inspect", help="align a model and write the debug dump (graphs, diffs, reports)")
     inspect.add_argument("model_dir", nargs="?", help="a local HF model directory (default: the embedded tiny model)")
@@ -75,10 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from .demo import run_demo
 
-            run_demo(args.model, args.layers, args.tokens)
+            run_demo(args.inference)
             return 0
+        if args.command == "mismatch":
+            return run_mismatch(args)
         return inspect_model(args.model_dir, args.model, args.out, args.tokens, args.train, args.sites)
-    except ImportError as error:
+    except (ImportError, ValueError, FileNotFoundError) as error:
         print(f"rla-compile {args.command}: {error}", file=sys.stderr)
         return 2
 

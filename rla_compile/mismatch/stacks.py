@@ -1,0 +1,152 @@
+"""The two sides of a mismatch measurement: a training stack (HF transformers, training-mode
+forward with autograd on, as a trainer computes π) and an inference stack (vLLM, or HF in
+inference mode), each with rla on some sites or off. Every stack scores the same token
+sequences teacher-forced and returns full log-distributions, so any two can be compared."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..sites import SITE_KINDS
+
+__all__ = ["Stack", "hf_runner", "hf_logprobs", "vllm_logprobs", "score", "has_vllm"]
+
+HF_COMPILERS = ("eager", "aot_eager", "inductor")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+VLLM_COMPILERS = ("eager", "inductor")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One way to run the model. `sites` are the sites rla aligns (None: rla off).
+
+    engine "hf": compiler "eager" (no torch.compile), "aot_eager" (compiled, eager kernels) or
+    "inductor"; `train` runs the training-mode forward with autograd on.
+    engine "vllm": compiler "inductor" (vLLM's compiled path) or "eager" (enforce_eager).
+    """
+
+    engine: str
+    compiler: str
+    sites: tuple[str, ...] | None = None
+    train: bool = False
+    dtype: str = "bfloat16"  # the weights' and activations' dtype
+
+    def __post_init__(self):
+        compilers = {"hf": HF_COMPILERS, "vllm": VLLM_COMPILERS}.get(self.engine)
+        if compilers is None:
+            raise ValueError(f"unknown engine {self.engine!r}: use 'hf' or 'vllm'")
+        if self.compiler not in compilers:
+            raise ValueError(f"engine {self.engine!r} has no compiler {self.compiler!r}: use one of {compilers}")
+        if self.sites is not None:
+            unknown = sorted(set(self.sites) - set(SITE_KINDS))
+            if unknown:
+                raise ValueError(f"unknown sites {unknown}: valid sites are {list(SITE_KINDS)}")
+            if self.compiler == "eager":
+                fix = "'aot_eager' (compiled, eager kernels)" if self.engine == "hf" else "'inductor'"
+                raise ValueError(f"rla is a torch.compile rewrite: {self.engine} with compiler 'eager' cannot align sites; "
+                                 f"use compiler {fix}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}: use one of {list(DTYPES)}")
+        if self.train and self.engine != "hf":
+            raise ValueError("train=True is a training-mode forward: only engine 'hf' has one")
+
+    def with_sites(self, sites) -> "Stack":
+        return replace(self, sites=None if sites is None else tuple(sites))
+
+    @property
+    def label(self) -> str:
+        """`engine-compiler[+rla[sites]][:dtype][:train]`, the form `parse` reads."""
+        rla = "" if self.sites is None else "+rla" if set(self.sites) == set(SITE_KINDS) else f"+rla[{','.join(self.sites)}]"
+        dtype = "" if self.dtype == "bfloat16" else f":{self.dtype}"
+        return f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Stack":
+        """'hf-inductor', 'hf-aot_eager+rla', 'hf-inductor+rla[rope,swiglu]:train', 'vllm-inductor+rla',
+        'hf-eager:float32'."""
+        head, *flags = text.split(":")
+        unknown = [f for f in flags if f != "train" and f not in DTYPES]
+        engine, _, rest = head.partition("-")
+        compiler, plus, rla = rest.partition("+")
+        if unknown or not compiler or (plus and not (rla == "rla" or (rla.startswith("rla[") and rla.endswith("]")))):
+            raise ValueError(f"cannot read stack {text!r}: write engine-compiler[+rla[sites]][:dtype][:train], "
+                             "e.g. hf-inductor+rla:train, hf-aot_eager, vllm-inductor+rla[rope,swiglu], hf-eager:float32")
+        sites = None if not plus else tuple(SITE_KINDS) if rla == "rla" else tuple(s for s in rla[4:-1].split(",") if s)
+        dtype = next((f for f in flags if f in DTYPES), "bfloat16")
+        return cls(engine, compiler, sites, train="train" in flags, dtype=dtype)
+
+
+def has_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None) -> dict:
+    """{"logprobs": [B, T-1, V] fp32 log-distributions of positions 1..T-1, "reports": [...]}."""
+    if stack.engine == "hf":
+        return hf_logprobs(stack, model_dir, sequences)
+    return vllm_logprobs(stack, model_dir, sequences, workdir)
+
+
+def hf_runner(stack: Stack, model):
+    """The callable that runs `model` as `stack` says, and the rla backend (None when off)."""
+    from ..backend import backend as rla_backend
+
+    model.train(stack.train)
+    model.requires_grad_(stack.train)
+    if stack.sites is not None:
+        rla = rla_backend(inner=stack.compiler, sites=list(stack.sites))
+        return torch.compile(model, backend=rla), rla
+    if stack.compiler == "eager":
+        return model, None
+    return torch.compile(model, backend=stack.compiler), None
+
+
+def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> dict:
+    from ..bundled import load
+
+    runner, rla = hf_runner(stack, load(DTYPES[stack.dtype], model_dir))
+    torch._dynamo.reset()
+    try:
+        with torch.set_grad_enabled(stack.train):
+            logits = runner(sequences, use_cache=False).logits
+    finally:
+        torch._dynamo.reset()
+    logprobs = torch.log_softmax(logits.detach()[:, :-1].float(), -1)
+    return {"logprobs": logprobs, "reports": [r.to_dict() for r in rla.reports] if rla else []}
+
+
+def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None) -> dict:
+    """Score in a fresh process: each engine gets its own compile caches and environment (the
+    fp32 RoPE tables are switched per process), and vLLM's globals never leak between stacks."""
+    if not has_vllm():
+        from ..integrations.vllm import INSTALL
+
+        raise ImportError(f"the vLLM stack needs vLLM: {INSTALL}")
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        tmp = Path(tmp)
+        request = {"model_dir": str(model_dir), "sequences": sequences.tolist(), "compiled": stack.compiler == "inductor",
+                   "dtype": stack.dtype,
+                   "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt")}
+        (tmp / "request.json").write_text(json.dumps(request))
+        env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "vllm_cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
+        env.pop("RLA_VLLM_FP32_ROPE", None)
+        for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                           ("VLLM_USE_AOT_COMPILE", "0")):
+            env.setdefault(key, value)
+        done = subprocess.run([sys.executable, "-m", "rla_compile.mismatch.vllm_worker", str(tmp / "request.json")],
+                              capture_output=True, text=True, env=env)
+        if done.returncode:
+            raise RuntimeError(f"the vLLM stack {stack.label} failed:\n{done.stderr[-4000:]}")
+        return torch.load(tmp / "out.pt")

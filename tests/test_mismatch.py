@@ -1,0 +1,140 @@
+"""The mismatch instrument: metrics against hand-computed values, stack specs, ulp distances,
+and the tool end to end on the shipped model (HF stacks; vLLM ones run in tox -e vllm)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rla_compile import bundled, mismatch
+from rla_compile.mismatch import Stack, compare_logprobs
+from rla_compile.mismatch.localise import localise, ulp_distance
+
+# Two positions over a vocabulary of 2. Trainer π: [.5, .5] then [.9, .1]; inference μ:
+# [.25, .75] then [.9, .1]; sampled tokens 0 then 1. So δ = log π(t) - log μ(t) = (log 2, 0).
+PI = torch.tensor([[0.5, 0.5], [0.9, 0.1]]).log()
+MU = torch.tensor([[0.25, 0.75], [0.9, 0.1]]).log()
+TOKENS = torch.tensor([0, 1])
+
+
+def test_metrics_match_hand_computed_values():
+    m = compare_logprobs(PI, MU, TOKENS)
+    ln2 = math.log(2)
+    assert m.tokens == 2
+    assert m.k1 == pytest.approx(-ln2 / 2)  # mean(-δ)
+    assert m.k3 == pytest.approx((2 - 1 - ln2) / 2)  # mean(e^δ - 1 - δ)
+    assert m.mean_abs_dlogprob == pytest.approx(ln2 / 2)
+    assert m.max_abs_dlogprob == pytest.approx(ln2)
+    assert m.mean_abs_dp == pytest.approx(0.125)  # |.5 - .25| and 0
+    assert m.max_abs_dp == pytest.approx(0.25)
+    assert m.rms_delta == pytest.approx(math.sqrt(ln2**2 / 2))
+    assert m.mean_exp_abs_delta == pytest.approx(1.5)  # (e^ln2 + e^0) / 2
+    # KL(μ‖π) at position 0: .25 log(.25/.5) + .75 log(.75/.5); position 1: 0
+    assert m.kl_full == pytest.approx((0.25 * math.log(0.5) + 0.75 * math.log(1.5)) / 2)
+    assert m.bitwise_equal == 0.5
+
+
+def test_identical_distributions_have_no_mismatch():
+    m = compare_logprobs(PI, PI.clone(), TOKENS)
+    assert m.bitwise_equal == 1.0
+    assert all(getattr(m, name) == 0 for name in ("k3", "k1", "mean_abs_dlogprob", "max_abs_dp", "rms_delta", "kl_full"))
+    assert m.mean_exp_abs_delta == 1.0
+
+
+@pytest.mark.parametrize("train, infer, tokens, message", [
+    (PI, MU[:1], TOKENS, "of one shape"),
+    (PI, MU, TOKENS[:1], "one token per position"),
+    (PI[:0], MU[:0], TOKENS[:0], "no positions"),
+])
+def test_metrics_reject_mismatched_inputs(train, infer, tokens, message):
+    with pytest.raises(ValueError, match=message):
+        compare_logprobs(train, infer, tokens)
+
+
+def test_ulp_distance_by_hand():
+    a = torch.tensor([1.0, 1.0, 3.0, 0.0, -2.0], dtype=torch.bfloat16)
+    b = torch.tensor([1.0078125, 1.0, 3.5, 0.0, -2.015625], dtype=torch.bfloat16)
+    # bf16 has 7 mantissa bits: one ulp at 1 is 2^-7, at 2..4 it is 2^-6
+    assert ulp_distance(a, b).tolist() == [1.0, 0.0, 32.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="one dtype and shape"):
+        ulp_distance(a, b.float())
+
+
+def test_stack_labels_round_trip_and_bad_specs_say_what_to_write():
+    for text in ("hf-inductor+rla:train", "hf-aot_eager", "vllm-inductor+rla[rope,swiglu]", "hf-eager:float32"):
+        assert Stack.parse(text).label == text
+    with pytest.raises(ValueError, match="engine-compiler"):
+        Stack.parse("inductor")
+    with pytest.raises(ValueError, match="use compiler 'aot_eager'"):
+        Stack.parse("hf-eager+rla")
+    with pytest.raises(ValueError, match="valid sites are"):
+        Stack.parse("hf-inductor+rla[norm]")
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    return mismatch.sample(bundled.MODEL_DIR, bundled.prompts(2, 16), 12)
+
+
+def test_shipped_model_is_low_entropy(sequences):
+    model = bundled.load(torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(sequences).logits, -1)
+    entropy = -(logp.exp() * logp).sum(-1).mean()
+    assert entropy < 2.0, "the shipped model's predictions should be peaked (nats per byte)"  # uniform: ln 256 = 5.5
+
+
+def test_identical_stacks_give_zero_mismatch():
+    report = mismatch.measure(trainer="hf-aot_eager", inference="hf-aot_eager", rows=[("same", None, None)],
+                              prompts=2, prompt_tokens=16, new_tokens=12)
+    (row,) = report.rows
+    assert row.metrics.bitwise_equal == 1.0 and row.metrics.max_abs_dlogprob == 0 and row.metrics.kl_full == 0
+    assert report.scored_tokens == row.metrics.tokens == 24
+
+
+def test_fp32_pair_mismatch_is_fp32_noise():
+    bf16 = mismatch.measure(trainer="hf-eager", inference="hf-eager:float32", rows=[("bf16 vs fp32", None, None)],
+                            prompts=2, prompt_tokens=16, new_tokens=12).rows[0].metrics
+    fp32 = mismatch.measure(trainer="hf-aot_eager:float32:train", inference="hf-eager:float32",
+                            rows=[("fp32 pair", None, None)], prompts=2, prompt_tokens=16, new_tokens=12).rows[0].metrics
+    assert fp32.max_abs_dlogprob < 1e-4 < bf16.max_abs_dlogprob  # fp32 noise, far below bf16 rounding
+
+
+def test_cli_reports_table_json_and_plot(tmp_path):
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "rla_compile.cli", "mismatch", "--trainer", "hf-aot_eager",
+                           "--inference", "hf-aot_eager", "--prompts", "2", "--prompt-tokens", "16", "--new-tokens", "8",
+                           "--json", str(out), "--plot", str(tmp_path / "r.png")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rla on both" in done.stdout and "k3 KL" in done.stdout
+    report = json.loads(out.read_text())
+    rows = {r["label"]: r for r in report["rows"]}
+    assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both"]
+    # one compiler on both sides: off and both are the same computation, one side only is not
+    assert rows["rla off"]["metrics"]["bitwise_equal"] == rows["rla on both"]["metrics"]["bitwise_equal"] == 1.0
+    assert rows["rla on trainer only"]["metrics"]["mean_abs_dlogprob"] > 0
+    assert report["sites"]["hf-aot_eager+rla"] == {"rmsnorm": 9, "residual_rmsnorm": 8, "swiglu": 4, "rope": 8}
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_cli_bad_stack_is_a_clear_error():
+    done = subprocess.run([sys.executable, "-m", "rla_compile.cli", "mismatch", "--trainer", "hf-turbo"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "has no compiler 'turbo'" in done.stderr
+
+
+def test_localise_finds_the_first_divergence_at_a_site(sequences):
+    same = localise(Stack.parse("hf-eager"), Stack.parse("hf-aot_eager"), sequences)
+    assert same.first_divergence is None and len(same.points) == 4 * 9 + 2
+    aligned = localise(Stack.parse("hf-aot_eager"), Stack.parse("hf-aot_eager+rla"), sequences)
+    first = aligned.first_divergence
+    index = aligned.points.index(first)
+    assert all(p.equal for p in aligned.points[:index])
+    assert first.name == "model.layers.0.input_layernorm" and first.kind == "rmsnorm"
+    assert "<- first" in aligned.table().splitlines()[2 + index]
