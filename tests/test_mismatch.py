@@ -84,9 +84,11 @@ def sequences():
 def test_shipped_model_is_low_entropy(sequences):
     model = bundled.load(torch.float32)
     with torch.no_grad():
-        logp = torch.log_softmax(model(sequences).logits, -1)
-    entropy = -(logp.exp() * logp).sum(-1).mean()
-    assert entropy < 2.0, "the shipped model's predictions should be peaked (nats per byte)"  # uniform: ln 256 = 5.5
+        logp = torch.log_softmax(model(sequences).logits[:, 15:-1], -1)  # at the sampled tokens
+    entropy = float(-(logp.exp() * logp).sum(-1).mean())
+    top1 = float(logp.exp().amax(-1).mean())
+    # uniform over 256 bytes: 5.55 nats, top-1 p 0.004; the shipped model: ~1.5 nats, ~0.57
+    assert entropy < 2.0 and top1 > 0.45, (entropy, top1)
 
 
 def test_identical_stacks_give_zero_mismatch():

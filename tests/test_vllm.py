@@ -106,11 +106,33 @@ def test_rla_off_is_stock_vllm(models, tmp_path):
 @pytest.mark.vllm
 def test_vllm_benchmarks_smoke(tmp_path):
     bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    for script, args in (("vllm_throughput.py", ["--reps", "1", "--tokens", "4"]), ("vllm_mismatch.py", [])):
-        done = subprocess.run([sys.executable, str(bench / script), *args, "--json", str(tmp_path / "r.json")],
-                              capture_output=True, text=True, timeout=1200)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert json.loads((tmp_path / "r.json").read_text())["results"]
+    done = subprocess.run([sys.executable, str(bench / "vllm_throughput.py"), "--reps", "1", "--tokens", "4",
+                           "--json", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "t.json").read_text())["results"]
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_mismatch_tool_against_vllm(tmp_path):
+    """`rla-compile mismatch` end to end with the real engine on the shipped model (the
+    benchmark script, small): HF trainer vs vLLM, rla off / one side / both."""
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    done = subprocess.run([sys.executable, str(bench / "mismatch.py"), "--inference", "vllm", "--prompts", "2",
+                           "--new-tokens", "8", "--no-ablation", "--json", str(tmp_path / "m.json"),
+                           "--plot", str(tmp_path / "m.png")], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "m.json").read_text())["results"]
+    rows = {r["label"]: r for r in report["rows"]}
+    assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both"]
+    assert rows["rla on both"]["inference"] == "vllm-inductor+rla" and rows["rla off"]["trainer"] == "hf-inductor:train"
+    # the same sites, rewritten, on both sides of the same weights
+    assert report["sites"]["vllm-inductor+rla"] == report["sites"]["hf-inductor+rla:train"]
+    assert set(report["sites"]["vllm-inductor+rla"]) == set(rla_compile.SITE_KINDS)
+    for row in rows.values():
+        m = row["metrics"]
+        assert m["tokens"] == 16 and 0 < m["mean_abs_dlogprob"] <= m["max_abs_dlogprob"] < 1 and m["k3"] >= 0
+    assert (tmp_path / "m.png").stat().st_size > 10_000
 
 
 @pytestmark_vllm

