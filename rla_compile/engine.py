@@ -110,7 +110,8 @@ class _Rewriter:
     # -- inputs -------------------------------------------------------------------------
     def bypassable(self, value: Node) -> tuple[Node, set[Node]] | None:
         """(the cast that rounded `value`'s fp32 origin, the data-movement nodes between it and
-        the sites) if that rounding only feeds sites, through views, gathers and splits."""
+        the sites) if that rounding only feeds sites, through views, gathers, splits and the
+        sites' own upcasts of it (`cos.float()` inside a site)."""
         chain = value
         while fx.moves_data(chain):
             chain = chain.args[0]
@@ -126,7 +127,7 @@ class _Rewriter:
             user, source = frontier.pop()
             if user in self.site_nodes or user in moved:
                 continue
-            if not (fx.moves_data(user) and user.args[0] is source):
+            if not ((fx.moves_data(user) or fx.widens(user)) and user.args[0] is source):
                 return None
             moved.add(user)
             frontier.extend((u, user) for u in user.users)
@@ -148,18 +149,27 @@ class _Rewriter:
             self._fp32_only[node] = result
         return self._fp32_only[node]
 
+    def rounded_upcast(self, value: Node) -> tuple[Node, set[Node]] | None:
+        """The bypass for a site input that is an upcast of a rounding the bypass rule covers
+        (`cos32.to(bf16)` outside, `cos.float()` inside the site)."""
+        if fx.widens(value) and fx.is_low_precision(value.args[0]):
+            return self.bypassable(value.args[0])
+        return None
+
+    def _bypass(self, cast: Node, moved: set[Node]) -> None:
+        """Read the fp32 origin; the data movement between it and the sites now carries fp32."""
+        cast.replace_all_uses_with(cast.args[0])
+        self.graph.erase_node(cast)
+        for node in moved:
+            _set_dtype(node, torch.float32)
+
     def to_fp32(self, value: Node, upcasts: dict[Node, Node]) -> Node:
         """The fp32 version of `value` for one site (`upcasts`: that site's upcasts so far)."""
         if value in upcasts:
             return upcasts[value]
         bypass = self.bypassable(value)
         if bypass is not None:
-            # Read the fp32 origin; the data movement between it and the sites now carries fp32.
-            cast, moved = bypass
-            cast.replace_all_uses_with(cast.args[0])
-            self.graph.erase_node(cast)
-            for node in moved:
-                _set_dtype(node, torch.float32)
+            self._bypass(*bypass)
             result = value
         else:
             after = value
@@ -194,6 +204,8 @@ class _Rewriter:
             for value in node.all_input_nodes:
                 if value not in region and fx.is_low_precision(value):
                     node.replace_input_with(value, self.to_fp32(value, upcasts))
+                elif value not in region and (bypass := self.rounded_upcast(value)) is not None:
+                    self._bypass(*bypass)
 
         fp32_value: dict[Node, Node] = {}  # region node -> the node now holding its fp32 value
         for node in order:  # 2. inside: casts disappear, everything else computes in fp32
@@ -272,21 +284,24 @@ def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: boo
     site_nodes = {n for m, _, status, _ in plans if status is None for n in m.nodes}
     rewriter = _Rewriter(graph, site_nodes, post_grad)
 
+    decided = []  # every status before any rewrite: a bypass done for one site serves others too
     for match, dtype, status, reason in plans:
         if status is None:
             lowp_inside = [n for n in match.nodes if fx.dtype_of(n) in fx.LOW_PRECISION]
+            inputs = {p for n in match.nodes for p in n.all_input_nodes if p not in match.nodes}
             rounded_inputs = [
-                p
-                for n in match.nodes
-                for p in n.all_input_nodes
-                if p not in match.nodes and fx.is_low_precision(p) and rewriter.bypassable(p) is not None
+                p for p in inputs
+                if (fx.is_low_precision(p) and rewriter.bypassable(p) is not None)
+                or rewriter.rounded_upcast(p) is not None
             ]
             if not lowp_inside and not rounded_inputs:
                 status, reason = "already_aligned", "computed in fp32, rounded once"
             else:
-                reason = _mixed_note(match)
-                rewriter.rewrite(match)
-                status = "rewritten"
+                status, reason = "rewritten", _mixed_note(match)
+        decided.append((match, dtype, status, reason))
+    for match, dtype, status, reason in decided:
+        if status == "rewritten":
+            rewriter.rewrite(match)
         report.sites.append(_site_report(match, status, dtype, reason, names[match]))
 
     for match, reason, dtype in skipped:

@@ -151,7 +151,7 @@ class _Builder:
 
     # -- surrounding ops ----------------------------------------------------------------
     def op(self) -> None:
-        kind = self.pick(["matmul", "linear", "add", "mul", "scale", "transpose", "tanh"])
+        kind = self.pick(["matmul", "linear", "add", "mul", "scale", "transpose", "tanh", "fanout", "tap"])
         D = self.shape[2]
         if kind in ("matmul", "linear"):
             w = self.input("matrix", (D, D), self.dtype, "w")
@@ -161,6 +161,13 @@ class _Builder:
             self.both(f"h = h {'+' if kind == 'add' else '*'} {other}")
         elif kind == "scale":
             self.both(self.pick(["h = h * 0.5", "h = 2.0 * h"]))
+        elif kind == "fanout":  # the value before has two readers
+            wa, wb = self.input("matrix", (D, D), self.dtype, "w"), self.input("matrix", (D, D), self.dtype, "w")
+            self.both(f"h = torch.tanh(h @ {wa}) * (h @ {wb})")
+        elif kind == "tap":  # the value before also leaves the graph
+            tap = self.name("tap")
+            self.both(f"{tap} = h", "h = h * 0.5")
+            self.p.outputs.append(tap)
         elif kind == "transpose":
             self.both("h = h.transpose(0, 1)")
             self.shape[0], self.shape[1] = self.shape[1], self.shape[0]
@@ -310,9 +317,7 @@ class _Builder:
     # -- RoPE ---------------------------------------------------------------------------
     def _tables(self, rows: int, n: int, layout: str, upcast: bool) -> tuple[list[str], list[str], str]:
         """cos/sin of shape (rows, n) from one source -> (model lines, reference lines, note)."""
-        # A site that upcasts tables the graph rounded from fp32 (`cos32.to(bf16)` then
-        # `cos.float()` inside the site) keeps that rounding: a known gap, not generated.
-        source = self.pick(["table", "fp32_table"] + ([] if upcast else ["fp32_table_rounded", "computed"]))
+        source = self.pick(["table", "fp32_table", "fp32_table_rounded", "computed"])
         if not self.low:
             source = "fp32_table"
         if source in ("table", "fp32_table"):

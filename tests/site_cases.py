@@ -220,6 +220,17 @@ def rope_hf_reference(q, k, inv_freq, positions):
     return ref.rope(q, emb.cos(), emb.sin()), ref.rope(k, emb.cos(), emb.sin())
 
 
+def rope_hf_upcast_inside(q, k, inv_freq, positions):
+    """The tables rounded from fp32 outside, the sites upcasting them (one shared upcast) and
+    q/k inside: the sites read the fp32 tables (found by the fuzzer: was left rounded)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    cos, sin = cos.float(), sin.float()
+    qf, kf = q.float(), k.float()
+    return (qf * cos + _rotate_half(qf) * sin).to(q.dtype), (kf * cos + _rotate_half(kf) * sin).to(k.dtype)
+
+
 def _q_half_cos_sin(dtype):
     q = torch.randn(2, HEADS, T, HEAD_DIM).to(dtype)
     cos, sin = _cos_sin(dtype)
@@ -285,4 +296,6 @@ CASES = [
     Case("rope_halves", "rope", rope_halves, _q_half_cos_sin,
          lambda q, c, s: ref.rope_pairs(q, c, s, layout="halves"), grads=(0, 1, 2)),
     Case("rope_hf_fp32_cos_sin", "rope", rope_hf, _q_k_positions, rope_hf_reference, count=2, grads=(0, 1)),
+    Case("rope_hf_upcast_inside", "rope", rope_hf_upcast_inside, _q_k_positions, rope_hf_reference, count=2,
+         grads=(0, 1)),
 ]
