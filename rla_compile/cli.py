@@ -61,13 +61,12 @@ def run_mismatch(args) -> int:
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731  progress apart from results
     if args.localise:
         from . import bundled
-        from .mismatch.localise import localise
 
         model_dir = args.model_dir or bundled.MODEL_DIR
         sequences = mismatch.sample(Path(model_dir), bundled.prompts(args.prompts, args.prompt_tokens), args.new_tokens,
                                     args.seed)
         with mismatch.timed(say, f"running {args.localise[0]} and {args.localise[1]}, recording every site"):
-            result = localise(*(mismatch.Stack.parse(a) for a in args.localise), sequences, model_dir)
+            result = mismatch.localise(*(mismatch.Stack.parse(a) for a in args.localise), sequences, model_dir)
         print(result.table())
         if args.json:
             Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))

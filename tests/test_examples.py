@@ -23,8 +23,8 @@ def test_demo_shows_sites_and_the_mismatch_table():
     out = done.stdout
     assert "rla report for graph" in out and "residual_rmsnorm" in out
     assert "... scoring with hf-inductor:train" in out and "done in" in out  # progress for the slow steps
-    rows = {line[:26].strip(): line[26:].split() for line in out.splitlines()
-            if line.startswith(("rla off", "rla on trainer only", "rla on inference only", "rla on both"))}
+    labels = ("rla off", "rla on trainer only", "rla on inference only", "rla on both")
+    rows = {label: line[len(label):].split() for line in out.splitlines() for label in labels if line.startswith(label + " ")}
     assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both"]
     assert all(len(cells) == 10 for cells in rows.values())
     assert float(rows["rla off"][2]) > 0  # mean |Δ logprob|: the stacks disagree without rla

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rla_compile import bundled, mismatch
-from rla_compile.mismatch import Stack, compare_logprobs
-from rla_compile.mismatch.localise import localise, ulp_distance
+from rla_compile.mismatch import Stack, compare_logprobs, localise
+from rla_compile.mismatch.localise import ulp_distance
 
 # Two positions over a vocabulary of 2. Trainer π: [.5, .5] then [.9, .1]; inference μ:
 # [.25, .75] then [.9, .1]; sampled tokens 0 then 1. So δ = log π(t) - log μ(t) = (log 2, 0).
@@ -81,14 +81,15 @@ def sequences():
     return mismatch.sample(bundled.MODEL_DIR, bundled.prompts(2, 16), 12)
 
 
-def test_shipped_model_is_low_entropy(sequences):
+def test_shipped_model_is_low_entropy():
     model = bundled.load(torch.float32)
+    sequences = mismatch.sample(bundled.MODEL_DIR, bundled.prompts(4, 32), 48)
     with torch.no_grad():
-        logp = torch.log_softmax(model(sequences).logits[:, 15:-1], -1)  # at the sampled tokens
+        logp = torch.log_softmax(model(sequences).logits[:, 31:-1], -1)  # at the sampled tokens
     entropy = float(-(logp.exp() * logp).sum(-1).mean())
     top1 = float(logp.exp().amax(-1).mean())
     # uniform over 256 bytes: 5.55 nats, top-1 p 0.004; the shipped model: ~1.5 nats, ~0.57
-    assert entropy < 2.0 and top1 > 0.45, (entropy, top1)
+    assert entropy < 1.8 and top1 > 0.5, (entropy, top1)
 
 
 def test_identical_stacks_give_zero_mismatch():
@@ -123,6 +124,8 @@ def test_cli_reports_table_json_and_plot(tmp_path):
     assert rows["rla on trainer only"]["metrics"]["mean_abs_dlogprob"] > 0
     assert report["sites"]["hf-aot_eager+rla"] == {"rmsnorm": 9, "residual_rmsnorm": 8, "swiglu": 4, "rope": 8}
     assert (tmp_path / "r.png").stat().st_size > 10_000
+    again = mismatch.MismatchReport.from_dict(report)  # a saved report reads back whole
+    assert again.to_dict() == report and again.table() in done.stdout
 
 
 def test_cli_bad_stack_is_a_clear_error():

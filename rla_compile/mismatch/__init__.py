@@ -24,11 +24,13 @@ from pathlib import Path
 
 import torch
 
-from ..sites import SITE_KINDS  # noqa: F401  (re-exported: rows name sites)
+from ..sites import SITE_KINDS
+from .localise import Localisation, localise
 from .metrics import Metrics, compare_logprobs
 from .stacks import Stack, has_vllm, score
 
-__all__ = ["Metrics", "MismatchReport", "Row", "Stack", "compare_logprobs", "default_stacks", "measure", "sample", "timed"]
+__all__ = ["Localisation", "Metrics", "MismatchReport", "Row", "SITE_KINDS", "Stack", "compare_logprobs", "configurations",
+           "default_stacks", "localise", "measure", "sample", "timed"]
 
 
 TRAINER = Stack("hf", "inductor", train=True)  # HF's training forward under torch.compile's default
@@ -53,7 +55,12 @@ class Row:
 
     def to_dict(self) -> dict:
         return {"label": self.label, "trainer": self.trainer.label, "inference": self.inference.label,
-                "metrics": self.metrics.to_dict()}
+                "metrics": self.metrics.to_dict(), "delta": self.delta}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Row":
+        return cls(data["label"], Stack.parse(data["trainer"]), Stack.parse(data["inference"]),
+                   Metrics(**data["metrics"]), data["delta"])
 
 
 @dataclass
@@ -73,13 +80,14 @@ class MismatchReport:
         raise KeyError(f"no row {label!r}: rows are {[r.label for r in self.rows]}")
 
     def table(self) -> str:
-        head = f"{'configuration':<26}" + "".join(f"{title:>11}" for _, title in Metrics.COLUMNS)
+        width = max(len("configuration"), *(len(r.label) for r in self.rows)) + 2
+        head = f"{'configuration':<{width}}" + "".join(f"{title:>11}" for _, title in Metrics.COLUMNS)
         lines = [head]
         for row in self.rows:
             m = row.metrics
             cells = [f"{getattr(m, name):>11.1%}" if name == "bitwise_equal" else f"{getattr(m, name):>11.3e}"
                      for name, _ in Metrics.COLUMNS]
-            lines.append(f"{row.label:<26}" + "".join(cells))
+            lines.append(f"{row.label:<{width}}" + "".join(cells))
         pairs = sorted({(r.trainer.with_sites(None).label, r.inference.with_sites(None).label) for r in self.rows})
         lines.append("")
         lines += [f"trainer {t} vs inference {i}; {self.sequences} sequences, {self.scored_tokens} sampled tokens scored"
@@ -94,6 +102,13 @@ class MismatchReport:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MismatchReport":
+        """A report saved with `to_json` (e.g. to plot or tabulate it again)."""
+        rows = [Row.from_dict(r) for r in data["rows"]]
+        return cls(data["model"], data["sequences"], data["prompt_tokens"], data["scored_tokens"], rows,
+                   data["sites"], data["notes"])
 
     def plot(self, path: str | Path) -> Path:
         from .plot import plot_report

@@ -21,10 +21,12 @@ def plot_report(report, path: Path) -> Path:
         raise ImportError("plots need matplotlib: pip install 'rla_compile[bench]'") from error
 
     fig, (hist, bars) = plt.subplots(1, 2, figsize=(13, 4.8))
-    deltas = [torch.tensor(r.delta, dtype=torch.float64) for r in report.rows]
+    # histograms of off / one side / both (an ablation's rows are in the bars: 8 curves do not read)
+    shown = [r for r in report.rows if r.label in ("rla off", "rla on both")] or report.rows[:4]
+    deltas = [torch.tensor(r.delta, dtype=torch.float64) for r in shown]
     span = max(float(d.abs().max()) for d in deltas) or 1e-6
     edges = torch.linspace(-span, span, 61).tolist()
-    for row, delta in zip(report.rows, deltas):
+    for row, delta in zip(shown, deltas):
         hist.hist(delta.tolist(), bins=edges, histtype="step", linewidth=1.4, label=row.label)
     hist.set_yscale("log")
     hist.set_xlabel("δ = log π_trainer − log μ_inference, per sampled token")
