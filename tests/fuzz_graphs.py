@@ -105,6 +105,8 @@ def _make(spec: Input, gen: torch.Generator) -> torch.Tensor:
 
 
 class _Builder:
+    """Writes one program block by block; `shape` and `last_add` track the stream."""
+
     def __init__(self, pick: Pick, dtype: torch.dtype, d0: int, d1: int, heads: int, head_dim: int):
         self.pick, self.T = pick, DTYPE_NAMES[dtype]
         self.p = Program(dtype)
@@ -218,7 +220,7 @@ class _Builder:
             w = self.input(kind, (D,), torch.float32 if w32 else self.dtype, "w")
 
         model, reference = [], []
-        x = "h"
+        x, fp32_sum = "h", False
         if residual:
             r = self.input("act", tuple(self.shape), self.dtype, "r")
             fp32_sum = upcast != "none" and self.pick([False, True])  # vLLM native: the fp32 sum feeds the norm
@@ -230,6 +232,14 @@ class _Builder:
             x = "s"
         else:
             self.not_a_residual()
+        if weight != "gemma" and not w32 and not (residual and fp32_sum) and self.pick([False, False, True]):
+            # F.rms_norm / nn.RMSNorm: fp32 inside, one rounding (the backend decomposes it)
+            eps = self.pick([1e-06, 1e-05])
+            model.append(f"out = F.rms_norm({x}, ({D},), {w}, {eps})")
+            reference.append(f"out = ref.rmsnorm({x}, {w}, eps={eps}, out_dtype={self.T})")
+            self.fork([*model, "h = out"], [*reference, "h = out"])
+            self._norm_done(residual, not residual, f"F.rms_norm weight={weight}")
+            return
         xf = {"float": f"{x}.float()", "to": f"{x}.to(torch.float32)", "none": x}[upcast]
         model.append(f"xf = {xf}")
         body, y, note, eps = self.norm_body("xf")
@@ -260,13 +270,15 @@ class _Builder:
             model.append(f"out = out.to({self.T})")
             reference.append(f"out = out.to({self.T})")
         self.fork([*model, "h = out"], [*reference, "h = out"])
+        aligned = upcast != "none" and (round_after or weight is None) and not (residual and not fp32_sum)
+        self._norm_done(residual, aligned, f"upcast={upcast} weight={weight} w32={w32} round_after={round_after} {note}")
+
+    def _norm_done(self, residual: bool, aligned: bool, note: str) -> None:
         if residual:  # the residual stream leaves the site too, rounded once
             stream = self.name("s_out")
             self.both(f"{stream} = s_out")
             self.p.outputs.append(stream)
-        aligned = upcast != "none" and (round_after or weight is None) and not (residual and not fp32_sum)
-        self.site("residual_rmsnorm" if residual else "rmsnorm", aligned,
-                  f"upcast={upcast} weight={weight} w32={w32} round_after={round_after} {note}")
+        self.site("residual_rmsnorm" if residual else "rmsnorm", aligned, note)
         self.last_add = False
 
     # -- SwiGLU / GeGLU -----------------------------------------------------------------
@@ -320,6 +332,13 @@ class _Builder:
         source = self.pick(["table", "fp32_table", "fp32_table_rounded", "computed"])
         if not self.low:
             source = "fp32_table"
+        if source == "fp32_table_rounded" and self.pick([False, True]):  # a cache gathered by position
+            c = self.input("cos", (rows + 4, n), torch.float32, "cos_cache")
+            s = self.input("sin", (rows + 4, n), torch.float32, "sin_cache")
+            pos = self.input("positions", (rows,), torch.int64, "pos")
+            model = self.pick([f"cos, sin = {c}[{pos}].to({self.T}), {s}[{pos}].to({self.T})",
+                               f"cos, sin = {c}.to({self.T})[{pos}], {s}.to({self.T})[{pos}]"])
+            return [model], [f"cos, sin = {c}[{pos}], {s}[{pos}]"], "fp32_cache_gathered"
         if source in ("table", "fp32_table"):
             dtype = self.dtype if source == "table" else torch.float32
             c, s = self.input("cos", (rows, n), dtype, "cos"), self.input("sin", (rows, n), dtype, "sin")
@@ -364,6 +383,8 @@ class _Builder:
         layout = "neox" if style.startswith("neox") else "gptj" if style == "gptj" else "pairs"
         table_model, table_ref, source = self._tables(d1, n, layout, upcast)
         self.fork(table_model, table_ref)
+        if self.pick([False, True]):  # HF's cos.unsqueeze(unsqueeze_dim) before the sites
+            self.both("cos, sin = cos.unsqueeze(0).unsqueeze(0), sin[None, None]")
         order = self.pick(["x * cos + r * sin", "r * sin + x * cos", "cos * x + sin * r"])
         split = self.pick(["chunk", "slices"])
 

@@ -32,7 +32,7 @@ from fuzz_graphs import Program, build
 from rla_compile.backend import _pre_dispatch
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("default", max_examples=50, derandomize=True, **_COMMON)
+settings.register_profile("default", max_examples=80, derandomize=True, **_COMMON)
 settings.register_profile("extended", max_examples=int(os.environ.get("RLA_FUZZ_EXAMPLES", 2000)), **_COMMON)
 FUZZ = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
