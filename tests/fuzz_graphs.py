@@ -469,9 +469,19 @@ class _Builder:
             "rope_other_x": ([f"h = h * h.tanh() + torch.cat((-{other}[..., {D // 2}:], {other}[..., :{D // 2}]), dim=-1) * h"], "rope"),
             "rope_pairs_wrong_sign": (["x1, x2 = h[..., 0::2], h[..., 1::2]",
                                        f"h = torch.cat([x1 * {other}[..., ::2] + x2 * 0.5, x2 * {other}[..., ::2] - x1 * 0.5], dim=-1)"], None),
+            "rope_rot_times_x": ([f"h = h * {other} + torch.cat((-h[..., {D // 2}:], h[..., :{D // 2}]), dim=-1) * h"], "rope"),
+            # a weightless norm, rounded once, then a multiplier that is not a per-channel weight:
+            # the site must not take it in (that would drop the rounding between them)
+            "norm_full_multiplier": (["hf = h.float()", "y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)",
+                                      f"h = y.to({T}) * {other}"], None),
+            "norm_scalar_multiplier": (["hf = h.float()", "y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)",
+                                        f"h = y.to({T}) * {other}[0, 0, :1]"], None),
         }
         name = self.pick(sorted(cases))
         lines, miss = cases[name]
+        if name.startswith("norm_") and name.endswith("_multiplier"):
+            self.not_a_residual()
+            self.site("rmsnorm", True, "weightless, then a multiplier that is not a weight")
         self.both(*lines)
         if miss is not None:
             self.p.misses.append(miss)
