@@ -71,7 +71,7 @@ class Localisation:
         lines.append(f"{'point':<46}{'kind':<11}{'dtype':<10}{'max ulp':>9}{'differ':>9}")
         for p in self.points:
             mark = "  <- first" if p is first else ""
-            lines.append(f"{p.name:<46}{p.kind:<11}{p.dtype:<10}{p.max_ulp:>9.3g}{p.differing:>9.1%}{mark}")
+            lines.append(f"{p.name:<46}{p.kind:<11}{p.dtype:<10}{p.max_ulp:>9.3g}{p.differing:>9.2%}{mark}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

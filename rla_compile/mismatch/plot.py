@@ -46,7 +46,7 @@ def plot_report(report, path: Path) -> Path:
     twin.set_ylabel("k3 KL")
     bars.set_title("mismatch per configuration")
     handles = bars.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    bars.legend(handles, ["mean |Δ logprob|", "k3 KL"], fontsize=7, loc="upper right")
+    twin.legend(handles, ["mean |Δ logprob|", "k3 KL"], fontsize=7, loc="lower right", framealpha=0.95)  # on top of both
     fig.suptitle(f"{Path(report.model).name}: {report.scored_tokens} sampled tokens", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
