@@ -86,16 +86,23 @@ def test_near_miss_is_reported_not_rewritten(fn, args, kind, reason):
     assert reason in result.report.near_misses[0].reason
 
 
-def test_fp32_model_has_nothing_to_align():
-    pytest.importorskip("transformers")
-    model = tiny_causal_lm("llama", dtype=torch.float32)
+def _tiny_llama_under_rla(dtype: torch.dtype):
+    """A tiny Llama in `dtype`, 8 tokens, its logits under rla (aot_eager) and the one report."""
+    model = tiny_causal_lm("llama", dtype=dtype)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     backend = rla_compile.backend(inner="aot_eager")
     with torch.no_grad():
         got = torch.compile(model, backend=backend)(ids, use_cache=False).logits
-        torch._dynamo.reset()
-        plain = torch.compile(model, backend="aot_eager")(ids, use_cache=False).logits
+    torch._dynamo.reset()
     (report,) = backend.reports
+    return model, ids, got, report
+
+
+def test_fp32_model_has_nothing_to_align():
+    pytest.importorskip("transformers")
+    model, ids, got, report = _tiny_llama_under_rla(torch.float32)
+    with torch.no_grad():
+        plain = torch.compile(model, backend="aot_eager")(ids, use_cache=False).logits
     assert report.note == "nothing to align: activations are float32"
     assert report.counts() == expected_sites(model.config)
     assert {s.status for s in report.sites} == {"already_aligned"}
@@ -192,15 +199,9 @@ def test_fp16_model_is_aligned():
     pytest.importorskip("transformers")
     from hf_reference import contract_sites
 
-    model = tiny_causal_lm("llama", dtype=torch.float16)
-    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
-    backend = rla_compile.backend(inner="aot_eager")
-    with torch.no_grad():
-        got = torch.compile(model, backend=backend)(ids, use_cache=False).logits
-        torch._dynamo.reset()
-        with contract_sites(model):
-            want = model(ids, use_cache=False).logits
-    (report,) = backend.reports
+    model, ids, got, report = _tiny_llama_under_rla(torch.float16)
+    with torch.no_grad(), contract_sites(model):
+        want = model(ids, use_cache=False).logits
     assert report.counts() == expected_sites(model.config)
     assert {(s.status, s.dtype) for s in report.sites} == {("rewritten", "float16")}
     assert torch.equal(got, want)

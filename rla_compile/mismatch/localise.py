@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .stacks import DTYPES, Stack, hf_runner
+from .stacks import DTYPES, Stack, hf_logits, hf_runner
 
 __all__ = ["Point", "Localisation", "localise", "ulp_distance"]
 
@@ -132,13 +132,7 @@ def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> list[tup
     model = load(DTYPES[stack.dtype], model_dir)
     record: list = []
     with _recording(model, record):
-        runner, _ = hf_runner(stack, model)
-        torch._dynamo.reset()
-        try:
-            with torch.set_grad_enabled(stack.train):
-                logits = runner(sequences, use_cache=False).logits
-        finally:
-            torch._dynamo.reset()
+        logits = hf_logits(stack, hf_runner(stack, model)[0], sequences)
     record.append(("logits", "logits", logits))
     # RoPE points are recorded without their layer: number them in order
     layer_of_rope, named = 0, []

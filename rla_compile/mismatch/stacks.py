@@ -17,7 +17,7 @@ import torch
 
 from ..sites import SITE_KINDS
 
-__all__ = ["Stack", "hf_runner", "hf_logprobs", "vllm_logprobs", "score", "has_vllm"]
+__all__ = ["Stack", "hf_runner", "hf_logits", "hf_logprobs", "vllm_logprobs", "score", "has_vllm"]
 
 HF_COMPILERS = ("eager", "aot_eager", "inductor")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -113,16 +113,22 @@ def hf_runner(stack: Stack, model):
     return torch.compile(model, backend=stack.compiler), None
 
 
+def hf_logits(stack: Stack, runner, sequences: torch.Tensor) -> torch.Tensor:
+    """One forward of `runner` (from `hf_runner`) with the stack's grad mode; Dynamo's caches are
+    cleared before and after so no other stack's compiled graph is reused."""
+    torch._dynamo.reset()
+    try:
+        with torch.set_grad_enabled(stack.train):
+            return runner(sequences, use_cache=False).logits
+    finally:
+        torch._dynamo.reset()
+
+
 def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> dict:
     from ..bundled import load
 
     runner, rla = hf_runner(stack, load(DTYPES[stack.dtype], model_dir))
-    torch._dynamo.reset()
-    try:
-        with torch.set_grad_enabled(stack.train):
-            logits = runner(sequences, use_cache=False).logits
-    finally:
-        torch._dynamo.reset()
+    logits = hf_logits(stack, runner, sequences)
     logprobs = torch.log_softmax(logits.detach()[:, :-1].float(), -1)
     return {"logprobs": logprobs, "reports": [r.to_dict() for r in rla.reports] if rla else []}
 
