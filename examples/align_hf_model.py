@@ -20,3 +20,6 @@ report = backend.reports[0]
 print(report)
 print(report.counts())
 assert report.count(status="rewritten") == len(report.sites)
+# 2 layers: q_norm and k_norm per layer plus the final norm; two residual norms, one MLP and
+# RoPE on q and k per layer
+assert report.counts() == {"rmsnorm": 5, "rope": 4, "residual_rmsnorm": 4, "swiglu": 2}

@@ -16,3 +16,6 @@ report = mismatch.measure(
 )
 print(report.table())
 assert report.row("rla off").metrics.tokens == 32
+# both sides aligned every site of the shipped model's 4 layers (RoPE on q and k in each)
+assert report.sites["hf-aot_eager+rla:train"] == report.sites["hf-inductor+rla"]
+assert report.sites["hf-inductor+rla"]["rope"] == 8 and report.sites["hf-inductor+rla[rope]"] == {"rope": 8}

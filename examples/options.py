@@ -4,6 +4,7 @@
 """
 
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,17 +21,37 @@ def block(x, gate, up):
 args = [torch.randn(2, 8, 64).bfloat16() for _ in range(3)]
 
 # 1. Through torch.compile's own options (no import needed for the backend name).
-out = torch.compile(block, backend="rla", options={"sites": ["swiglu"], "inner": "aot_eager"})(*args)
+normed, gated = torch.compile(block, backend="rla", options={"sites": ["swiglu"], "inner": "aot_eager"})(*args)
+# the SwiGLU site follows the contract: fp32 inside, one rounding at the end
+assert torch.equal(gated, (F.silu(args[1].float()) * args[2].float()).to(torch.bfloat16))
 
 # 2. Through a backend object, which keeps the reports.
 with tempfile.TemporaryDirectory() as debug_dir:
     backend = rla_compile.backend(sites=["swiglu", "rmsnorm"], pin_rounding=True, debug=debug_dir)
     torch.compile(block, backend=backend)(*args)
-    print(backend.reports[0])
-    print(open(f"{debug_dir}/index.txt").read())
+    report = backend.reports[0]
+    print(report)
+    # the norm is written in fp32 and rounded once already; SwiGLU's bf16 math is rewritten
+    assert {s.kind: s.status for s in report.sites} == {"rmsnorm": "already_aligned", "swiglu": "rewritten"}
+    index = Path(debug_dir, "index.txt").read_text()
+    print(index)
+    assert report.graph in index
 
-# 3. A bad option is refused with the valid ones listed.
+# 3. A bad option is refused with the valid ones listed, when the backend object is built.
 try:
     rla_compile.backend(sites=["layernorm"])
 except rla_compile.OptionError as error:
     print("refused:", error)
+    assert "valid: rmsnorm, residual_rmsnorm, swiglu, rope" in str(error)
+else:
+    raise AssertionError("an unknown site name was accepted")
+
+# 4. Through backend="rla" the options are read at the first call, inside Dynamo, which wraps
+#    every backend error in its BackendCompilerFailed; the OptionError is its inner_exception.
+try:
+    torch.compile(block, backend="rla", options={"sites": ["layernorm"]})(*args)
+except torch._dynamo.exc.BackendCompilerFailed as error:
+    assert isinstance(error.inner_exception, rla_compile.OptionError)
+    print("refused at the first call:", error.inner_exception)
+else:
+    raise AssertionError("an unknown site name was accepted")

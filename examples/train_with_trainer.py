@@ -2,8 +2,9 @@
 
     python examples/train_with_trainer.py
 
-`torch_compile_backend="rla"` is all it takes: the registered entry point is the backend.
-The `rla_compile` logger prints one line per compiled graph (here: its sites, all rewritten).
+`model.compile(backend="rla")` before building the Trainer is all it takes (accelerate refuses
+`torch_compile_backend="rla"`: it accepts only the backend names it knows). The `rla_compile`
+logger prints one line per compiled graph (here: its sites, all rewritten).
 """
 
 import logging
@@ -16,6 +17,15 @@ from rla_compile.tiny import tiny_causal_lm
 
 logging.basicConfig(format="%(name)s: %(message)s")
 logging.getLogger("rla_compile").setLevel(logging.INFO)  # or TORCH_LOGS=+rla_compile
+summaries: list[str] = []  # what the logger printed, kept to check it below
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        summaries.append(record.getMessage())
+
+
+logging.getLogger("rla_compile").addHandler(Keep())
 
 model = tiny_causal_lm("qwen3")  # swap in AutoModelForCausalLM.from_pretrained(...) for a real one
 generator = torch.Generator().manual_seed(0)
@@ -41,3 +51,5 @@ with tempfile.TemporaryDirectory() as out:
 
 print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}")
 assert torch.isfinite(torch.tensor(result.training_loss))
+# the training graph's 13 sites were rewritten (2 layers: 5 norms, 4 residual norms, 2 MLPs, 4 RoPE)
+assert any("rewritten residual_rmsnorm=4, rmsnorm=5, rope=4, swiglu=2" in line for line in summaries), summaries

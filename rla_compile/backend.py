@@ -162,8 +162,7 @@ class Backend:
         from torch._inductor.compile_fx import compile_fx
 
         patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
-        patches.update(self.options.inductor)
-        patches["emulate_precision_casts"] = self.options.pin_rounding
+        patches.update(self.options.inductor_settings())
         user_pass = patches.get("post_grad_custom_post_pass")
         pin = PinSiteRounding(self.options)
         patches["post_grad_custom_post_pass"] = pin if user_pass is None else [*_as_list(user_pass), pin]

@@ -30,7 +30,9 @@ class Options:
     inner: the compiler that runs the rewritten graph: "inductor" (default) or "aot_eager"
         (AOTAutograd without codegen: eager kernels, the rewritten rounding points).
     pin_rounding: round like eager outside the sites too (Inductor's
-        emulate_precision_casts). Off by default: see docs/options.md for the measurements.
+        emulate_precision_casts). None (default): Inductor's setting as you left it (its
+        global config, or `inductor={"emulate_precision_casts": ...}`), itself off unless you
+        set it; True/False set it for rla's graphs. See docs/options.md for the measurements.
         The sites' own output roundings are pinned either way.
     debug: a directory to dump graphs and reports into, or True for ./rla_debug
         (False: no dump). Debug never changes the rewrite. When not given, the environment
@@ -40,7 +42,7 @@ class Options:
 
     sites: frozenset[str] = frozenset(SITE_KINDS)
     inner: str = "inductor"
-    pin_rounding: bool = False
+    pin_rounding: bool | None = None
     debug: str | bool | None = None
     inductor: Mapping[str, Any] = field(default_factory=dict)
 
@@ -69,8 +71,10 @@ class Options:
             raise OptionError(
                 f"unknown inner backend {self.inner!r} in option 'inner'; valid: {', '.join(INNER_BACKENDS)}"
             )
-        if not isinstance(self.pin_rounding, bool):
-            raise OptionError(f"option 'pin_rounding' must be True or False, got {self.pin_rounding!r}")
+        if self.pin_rounding is not None and not isinstance(self.pin_rounding, bool):
+            raise OptionError(
+                f"option 'pin_rounding' must be True, False or None (Inductor's own setting), got {self.pin_rounding!r}"
+            )
         if self.debug is None:
             env = os.environ.get("RLA_DEBUG", "")
             object.__setattr__(self, "debug", True if env == "1" else (env or False))
@@ -81,6 +85,12 @@ class Options:
         object.__setattr__(self, "inductor", dict(self.inductor))
         if self.inductor:
             _check_inductor_settings(self.inductor)
+        emulate = self.inductor.get("emulate_precision_casts")
+        if self.pin_rounding is not None and emulate is not None and bool(emulate) != self.pin_rounding:
+            raise OptionError(
+                f"option 'pin_rounding'={self.pin_rounding} contradicts inductor={{'emulate_precision_casts': {emulate!r}}}; "
+                "pin_rounding is that setting: give one of them"
+            )
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> Options:
@@ -105,6 +115,16 @@ class Options:
         if self.debug is False or self.debug in ("", "0"):
             return None
         return Path("rla_debug") if self.debug is True else Path(self.debug)
+
+    def inductor_settings(self) -> dict[str, Any]:
+        """The Inductor config patches for rla's graphs, in the torch.compile backend and in
+        vLLM alike: the `inductor` option plus `emulate_precision_casts` only when
+        `pin_rounding` is set, so a graph with nothing to rewrite compiles exactly as the
+        inner compiler would with the user's own settings."""
+        settings = dict(self.inductor)
+        if self.pin_rounding is not None:
+            settings["emulate_precision_casts"] = self.pin_rounding
+        return settings
 
     def rewrite_key(self) -> dict[str, Any]:
         """The options that change the rewritten graph or its compilation (not `debug`)."""

@@ -16,7 +16,46 @@ from rla_compile.config import OptionError, Options
 def test_defaults():
     options = Options()
     assert options.sites == frozenset(rla_compile.SITE_KINDS)
-    assert (options.inner, options.pin_rounding, options.debug_dir) == ("inductor", False, None)
+    assert (options.inner, options.pin_rounding, options.debug_dir) == ("inductor", None, None)
+
+
+def test_pin_rounding_sets_inductor_only_when_given():
+    assert "emulate_precision_casts" not in Options().inductor_settings()
+    assert Options(pin_rounding=True).inductor_settings()["emulate_precision_casts"] is True
+    assert Options(pin_rounding=False).inductor_settings()["emulate_precision_casts"] is False
+    kept = Options(inductor={"emulate_precision_casts": True}).inductor_settings()
+    assert kept["emulate_precision_casts"] is True
+    with pytest.raises(OptionError, match="contradicts"):
+        Options(pin_rounding=False, inductor={"emulate_precision_casts": True})
+
+
+@pytest.mark.parametrize("how", ["global", "inductor option"])
+def test_graph_without_sites_compiles_as_inductor_with_the_users_settings(how):
+    """A user's emulate_precision_casts=True reaches Inductor through rla (it used to be reset
+    to False): a graph with no site compiles exactly as backend="inductor" does."""
+    from torch._inductor import config as inductor_config
+
+    def f(x):  # no site: x * rsqrt(|x| + 1) is not an RMSNorm
+        return x * torch.rsqrt(x.abs() + 1)
+
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with inductor_config.patch(emulate_precision_casts=True, fx_graph_cache=False):
+        torch._dynamo.reset()
+        expected = torch.compile(f, backend="inductor")(x)
+        torch._dynamo.reset()
+        eager_rounding = torch.compile(f, backend="aot_eager")(x)
+    assert torch.equal(expected, eager_rounding)  # the setting is what makes Inductor round like eager
+    rla = rla_compile.backend() if how == "global" else rla_compile.backend(inductor={"emulate_precision_casts": True})
+    patch = {"emulate_precision_casts": how == "global", "fx_graph_cache": False}
+    with inductor_config.patch(**patch):
+        torch._dynamo.reset()
+        got = torch.compile(f, backend=rla)(x)
+        torch._dynamo.reset()
+        unpinned = torch.compile(f, backend=rla_compile.backend(pin_rounding=False))(x)
+    torch._dynamo.reset()
+    assert rla.reports[0].sites == []
+    assert torch.equal(got, expected)
+    assert not torch.equal(unpinned, expected)  # the input does show the setting
 
 
 @pytest.mark.parametrize(
@@ -25,7 +64,7 @@ def test_defaults():
         ({"bogus": 1}, "unknown rla option(s) 'bogus'; valid: sites, inner, pin_rounding, debug, inductor"),
         ({"sites": ["rmsnorm", "layernorm"]}, "unknown site(s) 'layernorm' in option 'sites'; valid: rmsnorm, residual_rmsnorm, swiglu, rope"),
         ({"inner": "eager"}, "unknown inner backend 'eager' in option 'inner'; valid: inductor, aot_eager"),
-        ({"pin_rounding": "yes"}, "option 'pin_rounding' must be True or False"),
+        ({"pin_rounding": "yes"}, "option 'pin_rounding' must be True, False or None"),
         ({"inductor": 3}, "option 'inductor' must be a dict"),
     ],
 )
@@ -36,10 +75,17 @@ def test_bad_options_name_the_valid_ones(options, message):
 
 
 def test_bad_option_through_torch_compile():
+    """As docs/usage.md says: Dynamo wraps it, the OptionError is the inner exception."""
     compiled = torch.compile(lambda x: x + 1, backend="rla", options={"sitez": ["rope"]})
-    with pytest.raises(Exception) as error:
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as error:
         compiled(torch.ones(3))
-    assert "unknown rla option(s) 'sitez'" in str(error.value)
+    assert isinstance(error.value.inner_exception, OptionError)
+    assert "unknown rla option(s) 'sitez'" in str(error.value.inner_exception)
+
+
+def test_bad_option_in_backend_object_is_raised_before_compiling():
+    with pytest.raises(OptionError, match="unknown rla option"):
+        rla_compile.backend(sitez=["rope"])
 
 
 def test_sites_accepts_a_comma_separated_string():

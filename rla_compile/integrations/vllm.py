@@ -131,9 +131,7 @@ def compilation_config(**options: Any) -> dict[str, Any]:
         keep_rope_tables_fp32()
     else:
         os.environ.pop(FP32_ROPE_ENV, None)
-    inductor = {**opts.inductor, "post_grad_custom_post_pass": make_pass(opts)}
-    if opts.pin_rounding:  # as the backend: round like eager outside the sites too
-        inductor["emulate_precision_casts"] = True
+    inductor = {**opts.inductor_settings(), "post_grad_custom_post_pass": make_pass(opts)}
     return {
         "inductor_compile_config": inductor,
         # GPU: RMSNorm reaches passes as an opaque vllm_ir op unless its torch wrapping is off.
