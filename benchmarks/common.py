@@ -4,13 +4,12 @@ the machine description written next to every result."""
 from __future__ import annotations
 
 import json
-import os
-import platform
 from pathlib import Path
 
 import torch
 
 import rla_compile
+from rla_compile.machine import machine
 from rla_compile.tiny import tiny_causal_lm
 
 RESULTS = Path(__file__).parent / "results"
@@ -44,14 +43,6 @@ def train_step(compiled, model, ids):
         optimizer.zero_grad(set_to_none=True)
 
     return step
-
-
-def machine(device: str = "cpu") -> dict:
-    info = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__, "device": device}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def write(path: str | None, results, device: str = "cpu") -> None:

@@ -30,9 +30,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json")
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
-    rows = configurations(ablation=False)
-    if not args.no_ablation:
-        rows += [r for r in configurations(ablation=True) if r[0] not in ("rla off", "all sites, both sides")]
+    rows = configurations(ablation=not args.no_ablation)
     report = mismatch.measure(inference=args.inference, rows=rows, prompts=args.prompts, new_tokens=args.new_tokens,
                               say=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table(), flush=True)

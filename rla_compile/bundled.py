@@ -10,6 +10,7 @@ distributions hide.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,7 +30,23 @@ def load(dtype: torch.dtype = torch.bfloat16, model_dir: str | Path = MODEL_DIR)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json): pass a directory written by "
                                 "save_pretrained, or nothing for the shipped model")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager", local_files_only=True)
+    with _quiet_loading():  # one "Loading weights" bar per stack, a dozen per ablation, say nothing
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
+                                                    local_files_only=True)
+
+
+@contextmanager
+def _quiet_loading():
+    """transformers' progress bars off while loading, then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def encode(text: str) -> list[int]:

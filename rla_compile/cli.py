@@ -55,9 +55,23 @@ def inspect_model(model_dir: str | None, model_type: str, out: str, tokens: int,
     return 0
 
 
+def check_outputs(args) -> None:
+    """Fail before minutes of work, not after: what --plot and --json need."""
+    if getattr(args, "plot", None):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as error:
+            raise ImportError("--plot needs matplotlib: pip install 'rla_compile[bench]'") from error
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise FileNotFoundError(f"--{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
+
+
 def run_mismatch(args) -> int:
     from . import mismatch
 
+    check_outputs(args)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731  progress apart from results
     if args.localise:
         from . import bundled
@@ -98,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     mismatch.add_argument("--prompts", type=int, default=8, help="sequences (default: 8)")
     mismatch.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default: 32)")
     mismatch.add_argument("--new-tokens", type=int, default=64, help="sampled tokens per sequence (default: 64)")
-    mismatch.add_argument("--seed", type=int, default=0)
+    mismatch.add_argument("--seed", type=int, default=0,
+                          help="seed of the sampler that draws the continuations (default: 0)")
     mismatch.add_argument("--json", help="write the report as JSON here")
     mismatch.add_argument("--plot", help="write a PNG (δ histograms and per-configuration bars) here")
     mismatch.add_argument("--localise", nargs=2, metavar=("A", "B"),

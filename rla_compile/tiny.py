@@ -28,6 +28,7 @@ def tiny_causal_lm(model_type: str = "llama", dtype: torch.dtype = torch.bfloat1
     except ImportError as error:
         raise ImportError("the tiny models need transformers: pip install 'rla_compile[hf]'") from error
 
+    _check_model_type(model_type)
     config = AutoConfig.for_model(model_type, **(TINY_CONFIG | overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
@@ -36,3 +37,17 @@ def tiny_causal_lm(model_type: str = "llama", dtype: torch.dtype = torch.bfloat1
             if param.ndim == 1:
                 param.add_(0.1 * torch.randn_like(param))
     return model
+
+
+def _check_model_type(model_type: str) -> None:
+    """A short error for a type transformers has no causal LM for (its own lists ~700 types)."""
+    import difflib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    close = difflib.get_close_matches(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, n=3)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise ValueError(f"unknown model type {model_type!r} for the tiny model: {hint}"
+                     "use a transformers causal-LM model type such as llama, qwen3, mistral, gemma2")

@@ -56,6 +56,28 @@ def test_metrics_reject_mismatched_inputs(train, infer, tokens, message):
         compare_logprobs(train, infer, tokens)
 
 
+def test_change_interval_against_hand_computed_ratios():
+    from rla_compile.mismatch.report import change_interval
+
+    # 4 sequences x 2 tokens; the row halves every |δ| of the baseline: ratio 0.5 on any resample
+    base = [0.1, -0.2, 0.3, -0.1, 0.2, 0.2, -0.3, 0.1]
+    half = [d / 2 for d in base]
+    assert change_interval(half, base, 4, "mean|Δlp|") == pytest.approx((0.5, 0.5, 0.5))
+    k3 = lambda ds: sum(math.exp(d) - 1 - d for d in ds) / len(ds)  # noqa: E731
+    ratio, low, high = change_interval(half, base, 4, "k3")
+    assert ratio == pytest.approx(k3(half) / k3(base))
+    assert low <= ratio <= high and high - low > 0  # k3 is not linear in δ: resamples disagree
+
+
+def test_ablation_keeps_the_one_side_rows_and_the_plot_finds_its_rows():
+    from rla_compile.mismatch import plot
+
+    labels = [label for label, _, _ in mismatch.configurations(ablation=True)]
+    assert labels[:4] == ["rla off", "rla on trainer only", "rla on inference only", "rla on both"]
+    assert labels[4:] == [f"{kind} only, both sides" for kind in mismatch.SITE_KINDS]
+    assert set(plot.SHOWN) <= set(labels)  # the histogram's rows exist under these names
+
+
 def test_ulp_distance_by_hand():
     a = torch.tensor([1.0, 1.0, 3.0, 0.0, -2.0], dtype=torch.bfloat16)
     b = torch.tensor([1.0078125, 1.0, 3.5, 0.0, -2.015625], dtype=torch.bfloat16)
@@ -116,6 +138,7 @@ def test_cli_reports_table_json_and_plot(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rla on both" in done.stdout and "k3 KL" in done.stdout
+    assert "machine: " in done.stdout and "hf-inductor:train = HF's training forward" in done.stdout  # legend
     report = json.loads(out.read_text())
     rows = {r["label"]: r for r in report["rows"]}
     assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both"]
@@ -124,6 +147,7 @@ def test_cli_reports_table_json_and_plot(tmp_path):
     assert rows["rla on trainer only"]["metrics"]["mean_abs_dlogprob"] > 0
     assert report["sites"]["hf-aot_eager+rla"] == {"rmsnorm": 9, "residual_rmsnorm": 8, "swiglu": 4, "rope": 8}
     assert (tmp_path / "r.png").stat().st_size > 10_000
+    assert report["machine"]["cpu"] and report["machine"]["torch"] == torch.__version__
     again = mismatch.MismatchReport.from_dict(report)  # a saved report reads back whole
     assert again.to_dict() == report and again.table() in done.stdout
 

