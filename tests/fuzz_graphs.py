@@ -465,6 +465,7 @@ class _Builder:
             "rope_wrong_half": ([f"h = h * {other} + torch.cat((-h[..., :{D // 2}], h[..., {D // 2}:]), dim=-1) * {other}"], "rope"),
             "rope_neg_second": ([f"h = h * {other} + torch.cat((h[..., {D // 2}:], -h[..., :{D // 2}]), dim=-1) * {other}"], "rope"),
             "rope_not_swapped": ([f"h = h * {other} + torch.cat((h[..., {D // 2}:], h[..., :{D // 2}]), dim=-1) * {other}"], None),
+            "rope_half_scaled": ([f"h = h * {other} + torch.cat((h[..., {D // 2}:] * 0.5, h[..., :{D // 2}]), dim=-1) * {other}"], None),
             "rope_not_added": ([f"h = torch.cat((-h[..., {D // 2}:], h[..., :{D // 2}]), dim=-1) * {other} - h * 0.5"], "rope"),
             "rope_other_x": ([f"h = h * h.tanh() + torch.cat((-{other}[..., {D // 2}:], {other}[..., :{D // 2}]), dim=-1) * h"], "rope"),
             "rope_pairs_wrong_sign": (["x1, x2 = h[..., 0::2], h[..., 1::2]",
@@ -486,7 +487,8 @@ class _Builder:
         if miss is not None:
             self.p.misses.append(miss)
         self.p.blocks.append(f"look-alike {name}")
-        self.last_add = name in ("glu_added", "rope_wrong_half", "rope_neg_second", "rope_not_swapped", "rope_other_x")
+        self.last_add = name in ("glu_added", "rope_wrong_half", "rope_neg_second", "rope_not_swapped", "rope_other_x",
+                                 "rope_half_scaled")
 
 
 def build(pick: Pick, blocks: int | None = None, lookalikes: bool = True) -> Program:

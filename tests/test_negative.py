@@ -70,6 +70,23 @@ NEAR_MISSES = [
 ]
 
 
+def half_scaled_not_negated(x, c, s):  # cat((x2 * 0.5, x1)): a swap with a scale is not rotate_half
+    h = x.shape[-1] // 2
+    return x * c + torch.cat((x[..., h:] * 0.5, x[..., :h]), dim=-1) * s
+
+
+def half_added_not_negated(x, c, s):  # cat((x2 + 1, x1))
+    h = x.shape[-1] // 2
+    return x * c + torch.cat((x[..., h:] + 1, x[..., :h]), dim=-1) * s
+
+
+@pytest.mark.parametrize("fn", [half_scaled_not_negated, half_added_not_negated], ids=lambda f: f.__name__)
+def test_rope_lookalike_without_negation_is_left_alone(fn):
+    result = rla_compile.inspect(fn, X, Y, Z)
+    assert result.report.sites == [], str(result.report)
+    assert result.after == result.before
+
+
 def test_graph_without_sites_is_unchanged():
     w = torch.randn(64, 64).bfloat16()
     result = rla_compile.inspect(no_sites, X, w)

@@ -85,3 +85,30 @@ def test_without_rla_the_difference_shows(case: Case, dtype):
     got = _run(case.fn, case, dtype, "inductor", emulate=True)
     ref = _run(case.reference, case, dtype, "inductor", emulate=True)
     assert sum(_mismatches(got, ref)) > 0
+
+
+def test_site_rounding_survives_fusion_into_a_consumer_unpinned():
+    """A site's output feeding a pointwise op that Inductor fuses into the same kernel: without
+    the per-node barrier (PinSiteRounding) unpinned Inductor would skip the site's rounding and
+    add in fp32. With it, unpinned Inductor equals eager kernels on the same rewritten graph."""
+    import torch.nn.functional as F
+
+    def block(x, w, g, u, y):
+        xf = x.float()
+        norm = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return norm + y, F.silu(g) * u + y
+
+    gen = torch.Generator().manual_seed(0)
+    x, g, u, y = (torch.randn(4, 8, 64, generator=gen).bfloat16() for _ in range(4))
+    w = (1 + 0.1 * torch.randn(64, generator=gen)).bfloat16()
+    outs = {}
+    for inner in ("inductor", "aot_eager"):
+        torch._dynamo.reset()
+        with inductor_config.patch(emulate_precision_casts=False, fx_graph_cache=False):
+            outs[inner] = torch.compile(block, backend=rla_compile.backend(inner=inner, pin_rounding=False))(x, w, g, u, y)
+    torch._dynamo.reset()
+    assert _mismatches(outs["inductor"], outs["aot_eager"]) == [0, 0]
+    # the contract, written out: each site rounds once, then the add rounds
+    norm_ref = (w.float() * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))).bfloat16()
+    assert torch.equal(outs["aot_eager"][0], norm_ref + y)
+    assert torch.equal(outs["aot_eager"][1], (F.silu(g.float()) * u.float()).bfloat16() + y)
