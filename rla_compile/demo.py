@@ -34,4 +34,6 @@ def run_demo(inference: str | None = None, say: Callable[[str], None] = print, *
     report = measure(inference=inference, say=say, **sizes)
     say("")
     say(report.table())
+    say("")
+    say(report.in_plain_words())
     return report

@@ -28,6 +28,9 @@ def test_demo_shows_sites_and_the_mismatch_table():
     assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both"]
     assert all(len(cells) == 10 for cells in rows.values())
     assert float(rows["rla off"][2]) > 0  # mean |Δ logprob|: the stacks disagree without rla
+    assert "change vs rla off (95% bootstrap interval" in out and "machine: " in out
+    assert out.rstrip().splitlines()[-1].startswith("In plain words: ")  # the demo ends with what it means
+    assert "Loading weights" not in done.stdout + done.stderr  # no progress bars per stack
     try:
         import vllm  # noqa: F401
     except ImportError:

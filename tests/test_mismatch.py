@@ -69,6 +69,25 @@ def test_change_interval_against_hand_computed_ratios():
     assert low <= ratio <= high and high - low > 0  # k3 is not linear in δ: resamples disagree
 
 
+def test_plain_words_say_the_change_and_when_it_is_not_resolved():
+    from rla_compile.mismatch.metrics import Metrics
+    from rla_compile.mismatch.report import MismatchReport, Row
+
+    gen = torch.Generator().manual_seed(0)
+    base = (0.02 * torch.randn(64, generator=gen, dtype=torch.float64)).tolist()
+    noisy = [0.97 * b + 0.01 * float(n) for b, n in zip(base, torch.randn(64, generator=gen))]
+    metrics = Metrics(*([0] * 11))
+
+    def report(aligned):
+        rows = [Row(label, Stack.parse("hf-inductor:train"), Stack.parse("hf-aot_eager"), metrics, delta)
+                for label, delta in (("rla off", base), ("rla on both", aligned))]
+        return MismatchReport("m", 8, 16, 64, rows)
+
+    assert "differ 30% less on average" in report([0.7 * b for b in base]).in_plain_words()
+    assert "includes no change" in report(noisy).in_plain_words()
+    assert "larger than rla off" in report([2 * b for b in base]).in_plain_words()
+
+
 def test_ablation_keeps_the_one_side_rows_and_the_plot_finds_its_rows():
     from rla_compile.mismatch import plot
 

@@ -96,6 +96,25 @@ class MismatchReport:
             return {}  # no mismatch to begin with: nothing to be relative to
         return {r.label: change_interval(r.delta, base, self.sequences, metric) for r in self.rows if r.label != BASELINE}
 
+    def in_plain_words(self, row: str = "rla on both") -> str:
+        """One sentence on what `row` does to the average logprob gap, with its uncertainty."""
+        changes = self.changes("mean|Δlp|")
+        if row not in changes:
+            return f"In plain words: there is no '{BASELINE}' mismatch to compare '{row}' with."
+        ratio, low, high = changes[row]
+        n = self.sequences
+        if high < 1:
+            return (f"In plain words: with {row.removeprefix('rla on ')} sides aligned, the trainer's and the inference "
+                    f"engine's logprobs of the sampled tokens differ {1 - ratio:.0%} less on average than without rla "
+                    f"(95% interval: {1 - high:.0%} to {1 - low:.0%} less, over {n} sequences); the rest comes from "
+                    "what rla does not align (matmuls, attention, the logits).")
+        if low > 1:
+            return (f"In plain words: '{row}' makes the average logprob gap {ratio - 1:.0%} larger than rla off "
+                    f"(95% interval: {low - 1:+.0%} to {high - 1:+.0%}, over {n} sequences).")
+        return (f"In plain words: '{row}' changes the average logprob gap by {ratio - 1:+.0%}, but over {n} sequences "
+                f"the 95% interval ({low - 1:+.0%} to {high - 1:+.0%}) includes no change: score more sequences "
+                "(--prompts) to tell.")
+
     def table(self) -> str:
         width = max(len("configuration"), *(len(r.label) for r in self.rows)) + 2
         head = f"{'configuration':<{width}}" + "".join(f"{title:>11}" for _, title in Metrics.COLUMNS)
