@@ -218,3 +218,19 @@ def test_grpo_trl_with_rla_on_both_sides(tmp_path):
     assert result["embed_trained"] and result["embed_synced"]
     # the example's own printout
     assert "step 2: logp-diff mean" in done.stdout
+
+
+@pytest.mark.rl
+def test_rl_benchmark_smoke(tmp_path):
+    """benchmarks/rl.py at its smallest: one configuration, one step, the table and the JSON."""
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "rl.py"
+    done = subprocess.run([sys.executable, str(bench), "--steps", "1", "--configs", "stock", "--json", str(tmp_path / "rl.json")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (result,) = json.loads((tmp_path / "rl.json").read_text())["results"]
+    assert result["config"] == "stock" and result["trainer_sites"] is None
+    (step,) = result["steps"]
+    assert step["step"] == 1 and 0 < step["logp_diff_mean"] <= step["logp_diff_max"] and step["step_time"] > 0
+    assert done.stdout.splitlines()[1].startswith("stock")
