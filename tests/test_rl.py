@@ -1,0 +1,236 @@
+"""rla in RL training: the environment switch for vLLM, the trainer-side callback, the shipped
+model's tokenizer (default run, no vLLM or TRL needed), and a real TRL GRPO run with rla on both
+sides (`rl` marker: `tox -e rl`, TRL 1.16.0 with vllm-cpu 0.32.0)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from rla_compile import OptionError, Options, bundled
+from rla_compile.integrations import vllm as rla_vllm
+
+PROBE = Path(__file__).with_name("rl_probe.py")
+# the shipped 4-layer Qwen3 compiled as one graph (docs/demo.md: 29 sites)
+WHOLE_MODEL = {"rmsnorm": 9, "residual_rmsnorm": 8, "rope": 8, "swiglu": 4}
+
+
+# --- RLA_VLLM / RLA_VLLM_OPTIONS ---------------------------------------------------------
+
+
+def test_env_off_by_default():
+    assert rla_vllm.options_from_env({}) is None
+    for off in ("0", "false", "off", ""):
+        assert rla_vllm.options_from_env({"RLA_VLLM": off, "RLA_VLLM_OPTIONS": '{"sites": ["rope"]}'}) is None
+
+
+def test_env_on():
+    assert rla_vllm.options_from_env({"RLA_VLLM": "1"}) == Options()
+    assert rla_vllm.options_from_env({"RLA_VLLM": "true", "RLA_VLLM_OPTIONS": " "}) == Options()
+    opts = rla_vllm.options_from_env({"RLA_VLLM": "1", "RLA_VLLM_OPTIONS": '{"sites": ["rope", "swiglu"], "pin_rounding": true}'})
+    assert opts == Options(sites=frozenset({"rope", "swiglu"}), pin_rounding=True)
+    # options alone switch it on too
+    assert rla_vllm.options_from_env({"RLA_VLLM_OPTIONS": '{"sites": "rope"}'}).sites == {"rope"}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('{"sites": [rope]}', r"RLA_VLLM_OPTIONS is not valid JSON \(Expecting value: line 1 column 12"),
+    ("sites=rope", "RLA_VLLM_OPTIONS is not valid JSON"),
+    ('["rope"]', "RLA_VLLM_OPTIONS must be a JSON object of rla options, got '\\[\"rope\"\\]'"),
+    ('{"site": ["rope"]}', "RLA_VLLM_OPTIONS: unknown rla option\\(s\\) 'site'"),
+    ('{"sites": ["ropes"]}', "RLA_VLLM_OPTIONS: unknown site\\(s\\) 'ropes'"),
+])
+def test_bad_env_options_name_the_variable(raw, message):
+    with pytest.raises(OptionError, match=message) as info:
+        rla_vllm.options_from_env({"RLA_VLLM": "1", "RLA_VLLM_OPTIONS": raw})
+    assert "RLA_VLLM_OPTIONS" in str(info.value)
+
+
+def test_bad_env_switch_names_the_variable():
+    with pytest.raises(OptionError, match=r"RLA_VLLM='yes please': expected 1 \(on\) or 0 \(off\)"):
+        rla_vllm.options_from_env({"RLA_VLLM": "yes please"})
+
+
+@dataclass
+class FakeCompilationConfig:  # the two fields of vLLM's CompilationConfig the merge touches
+    inductor_compile_config: dict = field(default_factory=dict)
+    ir_enable_torch_wrap: bool | None = None
+
+
+def test_env_settings_merge_into_the_engines_config():
+    """One code path with compilation_config(): the same settings, merged into the engine's own
+    config (a copy); the user's Inductor settings and explicit choices win."""
+    users = FakeCompilationConfig({"max_autotune": False, "emulate_precision_casts": False})
+    merged = rla_vllm._with_rla(users, Options(sites=frozenset({"swiglu"}), pin_rounding=True))
+    assert users == FakeCompilationConfig({"max_autotune": False, "emulate_precision_casts": False})  # untouched
+    rla_pass = merged.inductor_compile_config["post_grad_custom_post_pass"]
+    assert rla_vllm.is_rla_pass(rla_pass) and rla_pass.options.sites == {"swiglu"}
+    assert rla_pass is rla_vllm.injected[-1]
+    assert merged.inductor_compile_config["emulate_precision_casts"] is False  # the user's, not pin_rounding's
+    assert merged.ir_enable_torch_wrap is False
+    explicit = rla_vllm._with_rla(FakeCompilationConfig(ir_enable_torch_wrap=True), Options(sites=frozenset({"swiglu"})))
+    assert explicit.ir_enable_torch_wrap is True
+
+
+def test_explicit_pass_wins():
+    theirs = rla_vllm.make_pass(Options(sites=frozenset({"rmsnorm"})))
+    config = FakeCompilationConfig({"post_grad_custom_post_pass": theirs})
+    assert rla_vllm._with_rla(config, Options()) is config  # rla's own pass, other options: kept
+    own = object()
+    config = FakeCompilationConfig({"post_grad_custom_post_pass": own})
+    assert rla_vllm._with_rla(config, Options()) is config  # someone else's pass: kept, rla not added
+
+
+def test_pass_pickles_with_its_options():
+    import pickle
+
+    rla_pass = rla_vllm.make_pass(Options(sites=frozenset({"rope"}), pin_rounding=True))
+    copied = pickle.loads(pickle.dumps(rla_pass))
+    assert copied.options == rla_pass.options and copied.uuid() == rla_pass.uuid()
+    assert copy.deepcopy(rla_pass) is rla_pass  # vLLM's config copies share one pass
+
+
+# --- the trainer side ----------------------------------------------------------------------
+
+
+def _train(callbacks, steps=2):
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from rla_compile.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("qwen3")
+    ids = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps, use_cpu=True,
+                                 report_to=[], save_strategy="no", logging_steps=1)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+        result = trainer.train()
+    return trainer, result
+
+
+def test_callback_compiles_the_trained_model():
+    from rla_compile.integrations.trl import RlaCallback
+
+    callback = RlaCallback(inner="aot_eager")
+    trainer, result = _train([callback])
+    assert math.isfinite(result.training_loss)
+    (report,) = callback.backend.reports
+    assert report.counts() == {"rmsnorm": 5, "residual_rmsnorm": 4, "rope": 4, "swiglu": 2}
+    assert {s.status for s in report.sites} == {"rewritten"}
+
+
+def test_enable_reaches_every_trainer_and_disable_undoes_it():
+    from rla_compile.integrations import trl as rla_trl
+
+    with pytest.raises(OptionError, match="unknown site"):
+        rla_trl.enable(sites=["ropes"], vllm=False)
+    rla_trl.enable(vllm=False, inner="aot_eager")
+    try:
+        trainer, _ = _train(None, steps=1)
+        (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, rla_trl.RlaCallback)]
+        assert callback.backend.reports and callback.options.inner == "aot_eager"
+        assert "RLA_VLLM" not in os.environ  # vllm=False leaves engines alone
+    finally:
+        rla_trl.disable()
+    trainer, _ = _train(None, steps=1)
+    assert not [c for c in trainer.callback_handler.callbacks if isinstance(c, rla_trl.RlaCallback)]
+
+
+def test_enable_sets_the_vllm_switch(monkeypatch):
+    from rla_compile.integrations import trl as rla_trl
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as without vLLM: the variables only
+    rla_trl.enable(trainer=False, sites=["rope", "swiglu"], inner="aot_eager")
+    try:
+        assert os.environ["RLA_VLLM"] == "1"
+        assert rla_vllm.options_from_env() == Options(sites=frozenset({"rope", "swiglu"}))
+    finally:
+        rla_trl.disable()
+    assert rla_vllm.options_from_env() is None
+
+
+# --- the shipped model's tokenizer ---------------------------------------------------------
+
+
+def test_shipped_tokenizer_is_bytes(tmp_path):
+    from transformers import AutoTokenizer
+
+    shipped = AutoTokenizer.from_pretrained(bundled.MODEL_DIR)
+    text = "def f(x):\n\treturn x  # é ✓ \x00"
+    ids = shipped(text, add_special_tokens=False)["input_ids"]
+    assert ids == bundled.encode(text) and shipped.decode(ids) == text
+    assert (shipped.bos_token_id, shipped.eos_token_id, shipped.pad_token_id, len(shipped)) == (2, 3, 3, 256)
+    written = bundled.save_tokenizer(tmp_path)  # the shipped files are the builder's
+    assert sorted(p.name for p in written) == ["tokenizer.json", "tokenizer_config.json"]
+    for path in written:
+        assert json.loads(path.read_text()) == json.loads((bundled.MODEL_DIR / path.name).read_text())
+
+
+# --- TRL GRPO with a real vLLM-CPU engine ----------------------------------------------------
+
+
+@pytest.mark.rl
+def test_grpo_trl_with_rla_on_both_sides(tmp_path):
+    """examples/grpo_trl.py at 2 steps: TRL logs the trainer/vLLM logprob difference, both
+    sides report the shipped model's 29 sites rewritten, and the weight sync reaches vLLM-CPU."""
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm_cache"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor_cache"))
+    for name in ("RLA_VLLM", "RLA_VLLM_OPTIONS", "RLA_VLLM_FP32_ROPE"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, str(PROBE), "--steps", "2"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=1500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+
+    steps = [log for log in result["logs"] if "sampling/sampling_logp_difference/mean" in log]
+    assert [log["step"] for log in steps] == [1, 2]
+    for log in steps:
+        mean, top = log["sampling/sampling_logp_difference/mean"], log["sampling/sampling_logp_difference/max"]
+        assert 0 < mean <= top < 1  # the stacks differ (GEMMs, attention), a little
+        ratio = [log[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")]
+        assert 0 < ratio[0] <= ratio[1] <= ratio[2] and all(map(math.isfinite, ratio))
+        assert 0 <= log["reward"] <= 1 and math.isfinite(log["loss"])
+
+    # vLLM-CPU compiles the whole model as one graph: every site, rewritten
+    assert result["vllm_reports"] == [{"graph": "vllm_0", "counts": WHOLE_MODEL, "statuses": ["rewritten"]}]
+    # the trainer: TRL's no-grad scoring forward (the logprobs it compares with vLLM's) is one
+    # graph with every site; the training forward is cut per layer by TRL's default gradient
+    # checkpointing (docs/rl.md); graphs after TRL's logprob function have no sites
+    trainer = result["trainer_reports"]
+    assert WHOLE_MODEL in [r["counts"] for r in trainer]
+    assert {"rmsnorm": 13, "residual_rmsnorm": 4, "rope": 8, "swiglu": 4} in [r["counts"] for r in trainer]
+    assert all(r["statuses"] == ["rewritten"] for r in trainer if r["counts"])
+    # the weight sync (reload_weights on vLLM-CPU) put the trained weights into the engine
+    assert result["embed_trained"] and result["embed_synced"]
+    # the example's own printout
+    assert "step 2: logp-diff mean" in done.stdout
+
+
+@pytest.mark.rl
+def test_rl_benchmark_smoke(tmp_path):
+    """benchmarks/rl.py at its smallest: one configuration, one step, the table and the JSON."""
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "rl.py"
+    done = subprocess.run([sys.executable, str(bench), "--steps", "1", "--configs", "stock", "--json", str(tmp_path / "rl.json")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (result,) = json.loads((tmp_path / "rl.json").read_text())["results"]
+    assert result["config"] == "stock" and result["trainer_sites"] is None
+    (step,) = result["steps"]
+    assert step["step"] == 1 and 0 < step["logp_diff_mean"] <= step["logp_diff_max"] and step["step_time"] > 0
+    assert done.stdout.splitlines()[1].startswith("stock")
