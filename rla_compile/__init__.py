@@ -15,7 +15,7 @@ from .debug import Rewrite  # noqa: E402
 from .config import OptionError, Options  # noqa: E402
 from .engine import align  # noqa: E402
 from .report import GraphReport, NearMiss, SiteReport  # noqa: E402
-from .sites import SITE_KINDS  # noqa: E402
+from .sites import DEFAULT_SITES, SITE_KINDS  # noqa: E402
 
 __all__ = [
     "Backend",
@@ -24,6 +24,7 @@ __all__ = [
     "OptionError",
     "Rewrite",
     "Options",
+    "DEFAULT_SITES",
     "SITE_KINDS",
     "SiteReport",
     "align",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .sites import SITE_KINDS
+from .sites import DEFAULT_SITES, SITE_KINDS
 
 __all__ = ["Options", "OptionError", "INNER_BACKENDS"]
 
@@ -26,7 +26,8 @@ class OptionError(ValueError):
 class Options:
     """How the `rla` backend aligns a graph.
 
-    sites: which sites to align (subset of rmsnorm, residual_rmsnorm, swiglu, rope).
+    sites: which sites to align: rmsnorm, residual_rmsnorm, swiglu, rope (the default: all four)
+        and logits (opt-in: the vocabulary projection computed and returned in fp32).
     inner: the compiler that runs the rewritten graph: "inductor" (default) or "aot_eager"
         (AOTAutograd without codegen: eager kernels, the rewritten rounding points).
     pin_rounding: round like eager outside the sites too (Inductor's
@@ -40,7 +41,7 @@ class Options:
     inductor: extra Inductor config patches, passed through to compile_fx.
     """
 
-    sites: frozenset[str] = frozenset(SITE_KINDS)
+    sites: frozenset[str] = frozenset(DEFAULT_SITES)
     inner: str = "inductor"
     pin_rounding: bool | None = None
     debug: str | bool | None = None

@@ -13,9 +13,11 @@ Every site, whatever its kind, is rewritten the same way (contract.md):
 2. inside: every cast in the region is removed, so nothing rounds to T.
 3. outputs: every region value read outside the region is rounded back to the dtype it had
    before, exactly once. These casts are tagged so Inductor keeps them (see `pin_rounding`).
+   The logits site is the exception (`Match.rounds_outputs=False`): its outputs leave in fp32,
+   an fp32 upcast of them disappears, and a graph output of them becomes fp32.
 
 The rewrite keeps the dtypes the rest of the graph sees, so nothing outside the sites changes
-(except cos/sin chains that only fed sites). It runs on pre-dispatch ATen (the `rla`
+(except cos/sin chains that only fed sites, and the logits when that site is selected). It runs on pre-dispatch ATen (the `rla`
 backend, before autograd) and on Inductor's post-grad ATen (vLLM) alike.
 """
 
@@ -225,6 +227,14 @@ class _Rewriter:
             if not users:
                 continue
             value = fp32_value[node]
+            if not match.rounds_outputs:  # the logits: they leave in fp32; an upcast of them is now a no-op
+                for user in users:
+                    if fx.widens(user) and fx.dtype_of(user) == torch.float32:
+                        user.replace_all_uses_with(value)
+                        self.graph.erase_node(user)
+                    else:
+                        user.replace_input_with(node, value)
+                continue
             if dtype_before[node] in fx.LOW_PRECISION:
                 with self.graph.inserting_after(value):
                     rounded = self._cast(value, dtype_before[node], f"{node.name}_rounded")

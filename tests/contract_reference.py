@@ -64,3 +64,12 @@ def rope_pairs(x, cos, sin, layout="interleaved"):
         x1, x2 = xf.chunk(2, dim=-1)
     c, s = cos.to(torch.float32), sin.to(torch.float32)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def logits(h, weight, bias=None, softcap=None):
+    """The vocabulary projection from fp32 h and W, left in fp32 (not rounded): what the
+    log-softmax after it reads. Gemma-style soft-capping in fp32 too."""
+    y = F.linear(h.to(torch.float32), weight.to(torch.float32), None if bias is None else bias.to(torch.float32))
+    if softcap is not None:
+        y = torch.tanh(y / softcap) * softcap
+    return y

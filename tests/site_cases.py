@@ -256,6 +256,43 @@ def residual_norm_module(h, r, w):  # torchtitan: h = x + attn; ffn_norm(h) with
     return s, F.rms_norm(s, (D,), w, EPS)
 
 
+# -- logits ------------------------------------------------------------------------------------
+V = 96  # vocabulary
+
+
+def _h_w(dtype):
+    return (torch.randn(2, T, D) * 2).to(dtype), (0.3 * torch.randn(V, D)).to(dtype)
+
+
+def head_logprobs(h, w):  # HF: bf16 logits, upcast for the loss; returned rounded to compare dtypes
+    return torch.log_softmax(F.linear(h, w).float(), -1).to(h.dtype)
+
+
+def head_logprobs_reference(h, w):
+    return torch.log_softmax(ref.logits(h, w), -1).to(h.dtype)
+
+
+def head_softcapped(h, w):  # Gemma 2: tanh soft-capping in bf16 before the upcast
+    return torch.log_softmax((torch.tanh(F.linear(h, w) / 30.0) * 30.0).float(), -1).to(h.dtype)
+
+
+def head_softcapped_reference(h, w):
+    return torch.log_softmax(ref.logits(h, w, softcap=30.0), -1).to(h.dtype)
+
+
+def head_gathered(h, w, tokens):  # an RL trainer's logprob of the sampled token
+    logp = F.linear(h, w).float().log_softmax(-1)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1).to(h.dtype)
+
+
+def head_gathered_reference(h, w, tokens):
+    return ref.logits(h, w).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1).to(h.dtype)
+
+
+def _h_w_tokens(dtype):
+    return (*_h_w(dtype), torch.randint(0, V, (2, T)))
+
+
 CASES = [
     Case("norm_llama", "rmsnorm", norm_llama, _x_w, ref.rmsnorm, grads=(0, 1)),
     Case("norm_spelled", "rmsnorm", norm_spelled, _x_w, ref.rmsnorm, grads=(0, 1)),
@@ -298,4 +335,7 @@ CASES = [
     Case("rope_hf_fp32_cos_sin", "rope", rope_hf, _q_k_positions, rope_hf_reference, count=2, grads=(0, 1)),
     Case("rope_hf_upcast_inside", "rope", rope_hf_upcast_inside, _q_k_positions, rope_hf_reference, count=2,
          grads=(0, 1)),
+    Case("head_logprobs", "logits", head_logprobs, _h_w, head_logprobs_reference, grads=(0, 1)),
+    Case("head_softcapped", "logits", head_softcapped, _h_w, head_softcapped_reference, grads=(0, 1)),
+    Case("head_gathered", "logits", head_gathered, _h_w_tokens, head_gathered_reference, grads=(0, 1)),
 ]

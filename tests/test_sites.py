@@ -55,7 +55,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_site_follows_contract(case: Case, dtype, pin, inner):
-    backend = rla_compile.backend(inner=inner, pin_rounding=pin)
+    backend = rla_compile.backend(inner=inner, pin_rounding=pin, sites=list(rla_compile.SITE_KINDS))
     got = _run(case.fn, case, dtype, backend, emulate=pin)
     eager_ref = _run(case.reference, case, dtype)
 

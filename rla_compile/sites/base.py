@@ -17,6 +17,7 @@ class Match:
     inputs (upcast on entry) and its outputs (rounded once on exit). A trailing cast to the
     low-precision dtype is *not* part of the region: it is the site's one rounding.
     `roles` names the interesting inputs (`x`, `weight`, `gate`, `up`, `cos`, ...).
+    `rounds_outputs=False`: the outputs leave in fp32, not rounded (the logits site).
     """
 
     kind: str
@@ -24,6 +25,7 @@ class Match:
     nodes: frozenset[Node]
     variant: str
     roles: dict[str, Node] = field(default_factory=dict)
+    rounds_outputs: bool = True
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,126 @@
+"""The projection to the vocabulary: logits = h @ W^T (+ b), computed from fp32 h and W and
+left in fp32 — no rounding to bf16 before log-softmax, cross-entropy or a logprob gather.
+
+Unlike the other sites its output is not rounded back: a bf16 logit is off by up to half an
+ulp (0.03-0.06 nats at typical logit sizes), which moves every logprob an RL trainer computes.
+vLLM's side of the same contract is `head_dtype=float32` (its LogitsProcessor runs
+`F.linear(h.float(), W.float())` on CPU, an fp32-accumulating GEMM on CUDA), which
+`rla_compile.integrations.vllm` sets when this site is selected.
+
+Which linear is the head: a `linear` whose result (through views, casts and elementwise ops
+with scalars, e.g. Gemma's logit soft-capping) ends only in graph outputs and fp32 upcasts, and
+feeds no other matmul — plus evidence that it is the vocabulary projection: an fp32 upcast or
+a log-softmax / cross-entropy after it, a module named like a head (`lm_head`, `output`,
+`embed_out`), or a weight the graph also reads as an embedding table (tied embeddings). A
+linear whose output merely leaves the graph (a graph break after `o_proj`) is not one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.fx import Graph, Node
+
+from .. import fx
+from .base import Match, Miss
+
+__all__ = ["LogitsMatcher", "HEAD_NAMES"]
+
+HEAD_NAMES = ("lm_head", "output", "embed_out", "head", "output_layer")
+# elementwise ops the head's output may go through before it leaves (soft-capping: /cap, tanh, *cap)
+_SCALAR_OPS = ("div", "mul", "add", "sub", "tanh")
+_LOSS_OPS = ("log_softmax", "_log_softmax", "cross_entropy_loss", "softmax", "_softmax", "nll_loss", "logsumexp")
+
+
+def _consumers(linear: Node) -> tuple[set[Node], list[Node], list[Node]] | str:
+    """(region after the linear, fp32 upcasts read outside, graph outputs) or why not."""
+    region, upcasts, outputs = set(), [], []
+    frontier = list(linear.users)
+    while frontier:
+        user = frontier.pop()
+        if user in region:
+            continue
+        if user.op == "output":
+            outputs.append(user)
+        elif fx.widens(user) and fx.dtype_of(user) == torch.float32:
+            upcasts.append(user)
+        elif fx.moves_data(user) or (
+            fx.is_op(user, *_SCALAR_OPS)
+            and sum(isinstance(a, Node) for a in user.args) == 1
+            and fx.shape_of(user) == fx.shape_of(user.all_input_nodes[0])
+        ):
+            region.add(user)
+            frontier.extend(user.users)
+        else:
+            return f"{fx.describe(user)} reads it in {_dtype(user.all_input_nodes[0])} ({fx.op_name(user)})"
+    return region, upcasts, outputs
+
+
+_COMPUTE_OPS = ("linear", "mm", "bmm", "matmul", "addmm", "baddbmm", "topk", "sort", "argsort", "scatter", "index_put",
+                "embedding")
+
+
+def _feeds_the_model(linear: Node, limit: int = 256) -> bool:
+    """Whether anything computed from the linear's output goes into another matmul or a routing
+    decision (an MoE router's logits go to top-k and the experts; a head's go to the loss)."""
+    seen, frontier = set(), list(linear.users)
+    while frontier and len(seen) < limit:
+        node = frontier.pop()
+        if node in seen or node.op == "output":
+            continue
+        seen.add(node)
+        if fx.is_op(node, *_COMPUTE_OPS):
+            return True
+        frontier.extend(node.users)
+    return bool(frontier)  # too far to tell: not a head
+
+
+def _dtype(node: Node) -> str:
+    return str(fx.dtype_of(node)).removeprefix("torch.")
+
+
+def _evidence(linear: Node, upcasts: list[Node]) -> str | None:
+    """Why this linear is the vocabulary projection, or None."""
+    def reaches_loss(node: Node, depth: int = 6) -> bool:
+        return depth > 0 and any(fx.is_op(u, *_LOSS_OPS) or reaches_loss(u, depth - 1) for u in node.users)
+
+    if upcasts:
+        return "logprobs" if any(reaches_loss(u) for u in upcasts) else "upcast"
+    if fx.module_path(linear).rsplit(".", 1)[-1] in HEAD_NAMES:
+        return "head"
+    weight = linear.args[1]
+    if any(fx.is_op(u, "embedding") for u in getattr(weight, "users", ())):
+        return "tied"
+    return None
+
+
+class LogitsMatcher:
+    kind = "logits"
+
+    def candidates(self, graph: Graph) -> Iterable[Node]:
+        return fx.call_nodes(graph, "linear")
+
+    def match(self, anchor: Node) -> Match | Miss | None:
+        if len(anchor.args) < 2 or fx.shape_of(anchor.args[1]) is None or len(fx.shape_of(anchor.args[1])) != 2:
+            return None
+        if _feeds_the_model(anchor):
+            return None  # an inner projection (or an MoE router): its output is computed on, not scored
+        found = _consumers(anchor)
+        if isinstance(found, str):
+            return Miss(self.kind, anchor, f"{fx.describe(anchor)}: the output of a head-like linear is consumed "
+                        f"before any fp32 upcast: {found}; left as written")
+        region, upcasts, outputs = found
+        if not upcasts and not outputs:
+            return None
+        evidence = _evidence(anchor, upcasts)
+        if evidence is None:
+            return Miss(self.kind, anchor, f"{fx.describe(anchor)}: a linear whose output leaves the graph, but nothing "
+                        f"says it is the vocabulary projection (no fp32 upcast or log-softmax after it, module not "
+                        f"named {'/'.join(HEAD_NAMES[:3])}, weight not tied to an embedding); left as written")
+        variant = {"logprobs": "head, log-softmax", "upcast": "head, upcast", "head": "head",
+                   "tied": "head, tied embedding"}[evidence]
+        if region:
+            variant += ", soft-capped" if any(fx.is_op(n, "tanh") for n in region) else ""
+        return Match(self.kind, anchor, frozenset({anchor} | region), variant,
+                     {"hidden": anchor.args[0], "weight": anchor.args[1]}, rounds_outputs=False)
