@@ -33,7 +33,7 @@ from ..config import Options
 from ..engine import align
 from ..report import GraphReport
 
-__all__ = ["compilation_config", "make_pass", "register", "SUPPORTED", "FP32_ROPE_ENV"]
+__all__ = ["compilation_config", "engine_kwargs", "make_pass", "register", "SUPPORTED", "FP32_ROPE_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,21 @@ def compilation_config(**options: Any) -> dict[str, Any]:
         # GPU: RMSNorm reaches passes as an opaque vllm_ir op unless its torch wrapping is off.
         "ir_enable_torch_wrap": False,
     }
+
+
+def engine_kwargs(**options: Any) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM(...)` / `EngineArgs`: `compilation_config` (rla's pass),
+    and with the `logits` site `hf_overrides={"head_dtype": "float32"}`: vLLM computes the
+    logits outside its compiled graph, in its LogitsProcessor, which then projects from fp32
+    hidden states and weights and keeps the logits in fp32 — the contract's logits site.
+
+        llm = LLM(model, **rla_vllm.engine_kwargs(sites=["rmsnorm", "residual_rmsnorm", "swiglu", "rope", "logits"]))
+    """
+    opts = Options.from_dict(options)
+    kwargs: dict[str, Any] = {"compilation_config": compilation_config(**options)}
+    if "logits" in opts.sites:
+        kwargs["hf_overrides"] = {"head_dtype": "float32"}
+    return kwargs
 
 
 _PATCHED = False
