@@ -47,7 +47,7 @@ from ..engine import align
 from ..report import GraphReport
 
 __all__ = [
-    "compilation_config", "make_pass", "register", "install", "options_from_env", "injected",
+    "compilation_config", "engine_kwargs", "make_pass", "register", "install", "options_from_env", "injected",
     "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
 ]
 
@@ -188,6 +188,40 @@ def _settings(opts: Options) -> dict[str, Any]:
     }
 
 
+def engine_kwargs(**options: Any) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM(...)` / `EngineArgs`: `compilation_config` (rla's pass)
+    and, with the `logits` site, `hf_overrides={"head_dtype": "float32"}`.
+
+        llm = LLM(model, **rla_vllm.engine_kwargs(sites=["rmsnorm", "residual_rmsnorm", "swiglu", "rope", "logits"]))
+
+    vLLM computes the logits outside its compiled graph, in its LogitsProcessor; with
+    head_dtype float32 that projects from fp32 hidden states and weights and keeps the logits in
+    fp32 (`F.linear(h.float(), W.float())` on CPU, an fp32-accumulating GEMM on CUDA): the
+    contract's logits site, which rla's graph pass cannot reach there.
+    """
+    _vllm()
+    opts = Options.from_dict(options)
+    kwargs: dict[str, Any] = {"compilation_config": _settings(opts)}
+    overrides = _head_overrides(opts, None)
+    if overrides is not None:
+        kwargs["hf_overrides"] = overrides
+    return kwargs
+
+
+def _head_overrides(opts: Options, current: Any) -> Any:
+    """`hf_overrides` with head_dtype float32 when the logits site is selected (the user's own
+    head_dtype wins); None when nothing needs changing."""
+    if "logits" not in opts.sites:
+        return None
+    if current is None:
+        return {"head_dtype": "float32"}
+    if isinstance(current, Mapping):
+        return None if "head_dtype" in current else {**current, "head_dtype": "float32"}
+    log.warning("rla's logits site: hf_overrides is a function, so head_dtype=float32 is not added; "
+                "set it yourself for the inference half of the logits site")
+    return None
+
+
 # --- switching it on from the environment -------------------------------------------------
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -270,12 +304,15 @@ def install() -> None:
         opts = options_from_env()
         if opts is None:
             return original(self, *args, **kwargs)
-        users = self.compilation_config
+        users, users_overrides = self.compilation_config, self.hf_overrides
         self.compilation_config = _with_rla(users, opts)
+        overrides = _head_overrides(opts, users_overrides)
+        if overrides is not None:
+            self.hf_overrides = overrides
         try:
             return original(self, *args, **kwargs)
-        finally:
-            self.compilation_config = users  # the EngineArgs object is left as it was given
+        finally:  # the EngineArgs object is left as it was given
+            self.compilation_config, self.hf_overrides = users, users_overrides
 
     create_engine_config.__rla_wrapped__ = True
     EngineArgs.create_engine_config = create_engine_config

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..sites import SITE_KINDS
+from ..sites import DEFAULT_SITES, SITE_KINDS
 from ..machine import machine
 from .localise import Localisation, localise
 from .metrics import Metrics, compare_logprobs
@@ -83,10 +83,11 @@ def default_stacks(inference: str | None = None) -> tuple[Stack, Stack, str | No
 
 def configurations(ablation: bool) -> list[tuple[str, tuple | None, tuple | None]]:
     """(label, trainer sites, inference sites) per row; None is rla off. rla off, on one side,
-    on both; with `ablation` also each site alone on both sides."""
-    every = tuple(SITE_KINDS)
+    on both (the default sites), on both with the logits site too; with `ablation` also each
+    site alone on both sides."""
+    every = tuple(DEFAULT_SITES)
     rows = [("rla off", None, None), ("rla on trainer only", every, None), ("rla on inference only", None, every),
-            ("rla on both", every, every)]
+            ("rla on both", every, every), ("rla on both + logits", every + ("logits",), every + ("logits",))]
     if ablation:
         rows += [(f"{kind} only, both sides", (kind,), (kind,)) for kind in SITE_KINDS]
     return rows

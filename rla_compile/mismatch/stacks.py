@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..sites import SITE_KINDS
+from ..sites import DEFAULT_SITES, SITE_KINDS
 
 __all__ = ["Stack", "hf_runner", "hf_logits", "hf_logprobs", "vllm_logprobs", "score", "has_vllm"]
 
@@ -26,7 +26,8 @@ VLLM_COMPILERS = ("eager", "inductor")
 
 @dataclass(frozen=True)
 class Stack:
-    """One way to run the model. `sites` are the sites rla aligns (None: rla off).
+    """One way to run the model. `sites` are the sites rla aligns (None: rla off; "+rla" in a
+    label is the default four, "+rla[...]" names them, e.g. `+rla[rmsnorm,residual_rmsnorm,swiglu,rope,logits]`).
 
     engine "hf": compiler "eager" (no torch.compile), "aot_eager" (compiled, eager kernels) or
     "inductor"; `train` runs the training-mode forward with autograd on.
@@ -64,7 +65,7 @@ class Stack:
     @property
     def label(self) -> str:
         """`engine-compiler[+rla[sites]][:dtype][:train]`, the form `parse` reads."""
-        rla = "" if self.sites is None else "+rla" if set(self.sites) == set(SITE_KINDS) else f"+rla[{','.join(self.sites)}]"
+        rla = "" if self.sites is None else "+rla" if set(self.sites) == set(DEFAULT_SITES) else f"+rla[{','.join(self.sites)}]"
         dtype = "" if self.dtype == "bfloat16" else f":{self.dtype}"
         return f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}"
 
@@ -79,7 +80,7 @@ class Stack:
         if unknown or not compiler or (plus and not (rla == "rla" or (rla.startswith("rla[") and rla.endswith("]")))):
             raise ValueError(f"cannot read stack {text!r}: write engine-compiler[+rla[sites]][:dtype][:train], "
                              "e.g. hf-inductor+rla:train, hf-aot_eager, vllm-inductor+rla[rope,swiglu], hf-eager:float32")
-        sites = None if not plus else tuple(SITE_KINDS) if rla == "rla" else tuple(s for s in rla[4:-1].split(",") if s)
+        sites = None if not plus else tuple(DEFAULT_SITES) if rla == "rla" else tuple(s for s in rla[4:-1].split(",") if s)
         dtype = next((f for f in flags if f in DTYPES), "bfloat16")
         return cls(engine, compiler, sites, train="train" in flags, dtype=dtype)
 

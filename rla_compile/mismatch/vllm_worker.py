@@ -18,15 +18,16 @@ def main(request_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    config = None
+    config, extra = None, {}
     if request["sites"] is not None:
         from ..integrations import vllm as rla_vllm
 
-        config = rla_vllm.compilation_config(sites=request["sites"])
+        extra = rla_vllm.engine_kwargs(sites=request["sites"])
+        config = extra["compilation_config"]
     sequences = request["sequences"]
     llm = LLM(model=request["model_dir"], dtype=request["dtype"], max_model_len=max(len(s) for s in sequences) + 8,
               max_num_seqs=len(sequences), seed=0, skip_tokenizer_init=True, max_logprobs=-1,
-              enforce_eager=not request["compiled"], compilation_config=config)
+              enforce_eager=not request["compiled"], **extra)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     params = SamplingParams(max_tokens=1, prompt_logprobs=-1, detokenize=False, temperature=1.0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
