@@ -80,6 +80,44 @@ def test_env_settings_merge_into_the_engines_config():
     assert explicit.ir_enable_torch_wrap is True
 
 
+def test_logits_site_sets_vllms_head_dtype_unless_the_user_did():
+    logits = Options(sites=frozenset({"rope", "logits"}))
+    assert rla_vllm._head_overrides(Options(), None) is None  # not selected: nothing to change
+    assert rla_vllm._head_overrides(logits, None) == {"head_dtype": "float32"}
+    assert rla_vllm._head_overrides(logits, {"rope_theta": 1e4}) == {"rope_theta": 1e4, "head_dtype": "float32"}
+    assert rla_vllm._head_overrides(logits, {"head_dtype": "model"}) is None  # the user's choice wins
+
+
+@pytest.mark.rl
+def test_trl_logprob_head_projects_from_fp32():
+    """TRL's chunked logprob function, patched, equals log-softmax of the contract's fp32 logits
+    (tests/contract_reference.py), where stock TRL rounds its bf16 tiles."""
+    pytest.importorskip("trl")
+    import torch
+
+    import contract_reference as ref
+    import trl.trainer.utils as trl_utils
+    from rla_compile.integrations import trl as rla_trl
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = (2 * torch.randn(40, 64, generator=gen)).bfloat16().requires_grad_()
+    weight = (0.3 * torch.randn(256, 64, generator=gen)).bfloat16().requires_grad_()
+    targets = torch.randint(0, 256, (40,), generator=gen)
+    expected = ref.logits(hidden, weight).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+
+    def logprobs():
+        out = trl_utils._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 64, None, 1.0, ())
+        return out[0]
+
+    stock = logprobs()
+    assert rla_trl.align_logprob_head()
+    aligned = logprobs()
+    assert not torch.equal(stock.detach(), expected.detach())  # bf16 tiles: the rounding shows
+    torch.testing.assert_close(aligned, expected, rtol=0, atol=2e-6)  # fp32 tiles; only the summation order differs
+    aligned.sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+
+
 def test_explicit_pass_wins():
     theirs = rla_vllm.make_pass(Options(sites=frozenset({"rmsnorm"})))
     config = FakeCompilationConfig({"post_grad_custom_post_pass": theirs})

