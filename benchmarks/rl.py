@@ -25,11 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-CONFIGS = {  # name: (trainer backend, rla in vLLM)
-    "stock": ("inductor", False),
-    "trainer": ("rla", False),
-    "vllm": ("inductor", True),
-    "both": ("rla", True),
+CONFIGS = {  # name: (trainer backend, rla in vLLM, rla's sites)
+    "stock": ("inductor", False, None),
+    "trainer": ("rla", False, None),
+    "vllm": ("inductor", True, None),
+    "both": ("rla", True, None),
+    "both+logits": ("rla", True, ["rmsnorm", "residual_rmsnorm", "swiglu", "rope", "logits"]),
 }
 METRICS = {
     "logp_diff_mean": "sampling/sampling_logp_difference/mean",
@@ -37,6 +38,7 @@ METRICS = {
     "is_ratio_min": "sampling/importance_sampling_ratio/min",
     "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
     "is_ratio_max": "sampling/importance_sampling_ratio/max",
+    "k3": "rla/k3",
     "reward": "reward",
     "loss": "loss",
     "step_time": "step_time",
@@ -51,19 +53,65 @@ def worker(config: str, steps: int, seed: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    import rla_compile
     import rla_compile.integrations.trl as rla_trl
     from rla_compile import bundled
 
-    trainer_backend, rla_vllm = CONFIGS[config]
+    import torch
+
+    from rla_compile.mismatch.metrics import k3
+
+    trainer_backend, rla_vllm, sites = CONFIGS[config]
+    options = {"sites": sites} if sites else {}
     if rla_vllm:
-        rla_trl.enable(trainer=False)  # RLA_VLLM=1 for TRL's engine
+        rla_trl.enable(trainer=False, **options)  # RLA_VLLM=1 for TRL's engine
+    if sites and "logits" in sites:
+        rla_trl.align_logprob_head()  # TRL's own logprob head, outside the compiled graph
     rla_trl.fix_weight_sync()
+    compiles = {"graphs": 0, "seconds": 0.0}
 
-    class InductorCallback(TrainerCallback):  # stock: the policy compiled the same way, plain Inductor
+    def counted(backend):
+        """The trainer's backend, counting the graphs it compiles (first compile and recompiles)."""
+        def compile_graph(gm, example_inputs, **kwargs):
+            start = time.perf_counter()
+            try:
+                return backend(gm, example_inputs, **kwargs)
+            finally:
+                compiles["graphs"] += 1
+                compiles["seconds"] += time.perf_counter() - start
+        return compile_graph
+
+    class CompileCallback(TrainerCallback):  # the policy compiled in place, plain Inductor or rla
+        backend = None
+
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            model.compile(backend="inductor")
+            if trainer_backend == "rla":
+                self.backend = rla_compile.backend(options)
+                model.compile(backend=counted(self.backend))
+            else:
+                model.compile(backend=counted(torch._dynamo.lookup_backend("inductor")))
 
-    callback = rla_trl.RlaCallback() if trainer_backend == "rla" else InductorCallback()
+        def on_log(self, args, state, control, logs=None, **kwargs):  # a progress line per step
+            if logs and METRICS["logp_diff_mean"] in logs:
+                print(f"    {config} seed {seed} step {state.global_step}/{steps}: logp-diff mean "
+                      f"{logs[METRICS['logp_diff_mean']]:.5f}, k3 {logs.get('rla/k3', float('nan')):.2e}, "
+                      f"reward {logs.get('reward', float('nan')):.3f}, {logs.get('step_time', 0):.1f} s", file=sys.stderr,
+                      flush=True)
+
+    class MeasuredGRPOTrainer(GRPOTrainer):
+        """Logs k3 (rla_compile.mismatch.metrics) on the tokens TRL's own mismatch metric uses:
+        δ = trainer's old logprob - vLLM's sampling logprob over the completion mask."""
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
+            if old is not None and sampled is not None:
+                delta = (old - sampled)[output["completion_mask"].bool()]
+                delta = delta[~torch.isnan(delta)]
+                self._metrics["train"]["rla/k3"].append(k3(delta) if delta.numel() else float("nan"))
+            return output
+
+    callback = CompileCallback()
     dataset = Dataset.from_dict({"prompt": [bundled.decode(p) for p in bundled.prompts(n=8, length=32)]})
 
     def lowercase_share(completions, **kwargs):
@@ -76,7 +124,7 @@ def worker(config: str, steps: int, seed: int) -> dict:
             model_init_kwargs={"dtype": "bfloat16"}, bf16=False, use_cpu=True, report_to="none",
             save_strategy="no", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
         )
-        trainer = GRPOTrainer(model=str(bundled.MODEL_DIR), reward_funcs=lowercase_share, args=args,
+        trainer = MeasuredGRPOTrainer(model=str(bundled.MODEL_DIR), reward_funcs=lowercase_share, args=args,
                               train_dataset=dataset, callbacks=[callback])
         trainer.train()
     logs = [log for log in trainer.state.log_history if METRICS["logp_diff_mean"] in log]
@@ -84,7 +132,8 @@ def worker(config: str, steps: int, seed: int) -> dict:
     sites = None
     if trainer_backend == "rla" and callback.backend is not None:
         sites = [r.counts() for r in callback.backend.reports if r.sites]
-    return {"config": config, "seed": seed, "steps": rows, "trainer_sites": sites}
+    return {"config": config, "seed": seed, "steps": rows, "trainer_sites": sites, "compiled_graphs": compiles["graphs"],
+            "compile_seconds": compiles["seconds"]}
 
 
 def run(config: str, steps: int, seed: int) -> dict:
@@ -93,18 +142,25 @@ def run(config: str, steps: int, seed: int) -> dict:
         env.update(VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    VLLM_USE_AOT_COMPILE="0")
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, __file__, "--worker", config, "--steps", str(steps), "--seeds", str(seed)],
-                              capture_output=True, text=True, env=env, cwd=cache)
-        if done.returncode != 0:
-            raise RuntimeError(f"{config} (seed {seed}) failed:\n{done.stderr[-4000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        worker_process = subprocess.Popen([sys.executable, __file__, "--worker", config, "--steps", str(steps),
+                                           "--seeds", str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=env, cwd=cache)
+        tail: list[str] = []
+        for line in worker_process.stderr:  # the progress lines pass through; the rest is kept for errors
+            if line.startswith(f"    {config} seed"):
+                print(line, end="", file=sys.stderr, flush=True)
+            tail = (tail + [line])[-60:]
+        stdout = worker_process.stdout.read()
+        if worker_process.wait() != 0:
+            raise RuntimeError(f"{config} (seed {seed}) failed:\n{''.join(tail)[-4000:]}")
+        result = json.loads(stdout.strip().splitlines()[-1])
         result["wall_s"] = time.perf_counter() - start
         return result
 
 
 def table(results: list[dict]) -> str:
-    lines = [f"{'config':8} {'seed':>4} {'steps':>5} {'logp-diff mean':>14} {'logp-diff max':>13} "
-             f"{'IS ratio mean':>13} {'reward':>7} {'step s':>7}"]
+    lines = [f"{'config':11} {'seed':>4} {'steps':>5} {'logp-diff mean':>14} {'logp-diff max':>13} {'k3':>9} "
+             f"{'IS ratio mean':>13} {'reward':>7} {'step s':>7} {'graphs':>6} {'compile s':>9}"]
     for r in results:
         rows = r["steps"]
 
@@ -112,9 +168,10 @@ def table(results: list[dict]) -> str:
             values = [row[key] for row in rows if row[key] is not None]
             return statistics.fmean(values) if values else float("nan")
 
-        lines.append(f"{r['config']:8} {r['seed']:>4} {len(rows):>5} {mean('logp_diff_mean'):>14.5f} "
-                     f"{mean('logp_diff_max'):>13.4f} {mean('is_ratio_mean'):>13.4f} {mean('reward'):>7.4f} "
-                     f"{mean('step_time'):>7.2f}")
+        lines.append(f"{r['config']:11} {r['seed']:>4} {len(rows):>5} {mean('logp_diff_mean'):>14.5f} "
+                     f"{mean('logp_diff_max'):>13.4f} {mean('k3'):>9.2e} {mean('is_ratio_mean'):>13.4f} "
+                     f"{mean('reward'):>7.4f} {mean('step_time'):>7.2f} {r.get('compiled_graphs', 0):>6} "
+                     f"{r.get('compile_seconds', 0.0):>9.1f}")
     return "\n".join(lines)
 
 

@@ -101,7 +101,7 @@ class Decoder(nn.Module):
     def expected_sites(self) -> dict[str, int]:
         """The first block's first norm reads the embedding; every other norm reads a residual sum."""
         layers = self.c.layers
-        return {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers}
+        return {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers, "logits": 1}
 
 
 # -- gpt-fast ---------------------------------------------------------------------------------

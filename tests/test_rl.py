@@ -260,15 +260,19 @@ def test_grpo_trl_with_rla_on_both_sides(tmp_path):
 
 @pytest.mark.rl
 def test_rl_benchmark_smoke(tmp_path):
-    """benchmarks/rl.py at its smallest: one configuration, one step, the table and the JSON."""
+    """benchmarks/rl.py at its smallest: the fullest configuration (rla and the logits site on
+    both sides), one step, the progress line, the table and the JSON."""
     pytest.importorskip("trl")
     pytest.importorskip("vllm")
     bench = Path(__file__).resolve().parent.parent / "benchmarks" / "rl.py"
-    done = subprocess.run([sys.executable, str(bench), "--steps", "1", "--configs", "stock", "--json", str(tmp_path / "rl.json")],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=1200)
+    done = subprocess.run([sys.executable, str(bench), "--steps", "1", "--configs", "both+logits",
+                           "--json", str(tmp_path / "rl.json")], capture_output=True, text=True, cwd=tmp_path, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     (result,) = json.loads((tmp_path / "rl.json").read_text())["results"]
-    assert result["config"] == "stock" and result["trainer_sites"] is None
+    assert result["config"] == "both+logits" and result["compiled_graphs"] >= 1
+    assert any(counts.get("rope") == 8 for counts in result["trainer_sites"])
     (step,) = result["steps"]
     assert step["step"] == 1 and 0 < step["logp_diff_mean"] <= step["logp_diff_max"] and step["step_time"] > 0
-    assert done.stdout.splitlines()[1].startswith("stock")
+    assert step["k3"] > 0  # on the same tokens as TRL's metric
+    assert "both+logits seed 0 step 1/1: logp-diff mean" in done.stderr  # the progress line
+    assert done.stdout.splitlines()[1].startswith("both+logits")

@@ -45,7 +45,7 @@ class Entry:
 
 def _hf_expected(config) -> dict[str, int]:
     layers, kind = config.num_hidden_layers, config.model_type
-    counts = {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers}
+    counts = {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers, "logits": 1}
     if kind in ("qwen3", "qwen3_moe"):
         counts["rmsnorm"] += 2 * layers  # q_norm, k_norm per head before RoPE
     if kind == "gemma2":

@@ -22,7 +22,13 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-__all__ = ["Metrics", "compare_logprobs"]
+__all__ = ["Metrics", "compare_logprobs", "k3"]
+
+
+def k3(delta: torch.Tensor) -> float:
+    """Schulman's k3 estimate of KL(μ‖π) from δ = log π - log μ at tokens sampled from μ."""
+    delta = delta.double()
+    return float((delta.exp() - 1 - delta).mean())
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ def compare_logprobs(train: torch.Tensor, infer: torch.Tensor, tokens: torch.Ten
     kl_terms = torch.where(mu_p > 0, mu_p * (mu - pi), torch.zeros_like(mu))
     return Metrics(
         tokens=int(delta.numel()),
-        k3=float((delta.exp() - 1 - delta).mean()),
+        k3=k3(delta),
         k1=float((-delta).mean()),
         mean_abs_dlogprob=float(delta.abs().mean()),
         max_abs_dlogprob=float(delta.abs().max()),
