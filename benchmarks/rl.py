@@ -91,12 +91,6 @@ def worker(config: str, steps: int, seed: int) -> dict:
             else:
                 model.compile(backend=counted(torch._dynamo.lookup_backend("inductor")))
 
-        def on_log(self, args, state, control, logs=None, **kwargs):  # a progress line per step
-            if logs and METRICS["logp_diff_mean"] in logs:
-                print(f"    {config} seed {seed} step {state.global_step}/{steps}: logp-diff mean "
-                      f"{logs[METRICS['logp_diff_mean']]:.5f}, k3 {logs.get('rla/k3', float('nan')):.2e}, "
-                      f"reward {logs.get('reward', float('nan')):.3f}, {logs.get('step_time', 0):.1f} s", file=sys.stderr,
-                      flush=True)
 
     class MeasuredGRPOTrainer(GRPOTrainer):
         """Logs k3 (rla_compile.mismatch.metrics) on the tokens TRL's own mismatch metric uses:
@@ -110,6 +104,17 @@ def worker(config: str, steps: int, seed: int) -> dict:
                 delta = delta[~torch.isnan(delta)]
                 self._metrics["train"]["rla/k3"].append(k3(delta) if delta.numel() else float("nan"))
             return output
+
+        def log(self, logs, start_time=None):
+            super().log(logs, start_time)
+            if METRICS["logp_diff_mean"] in logs:  # a progress line per step (TRL's averaged metrics)
+                def number(key):
+                    value = logs.get(key)
+                    return float("nan") if value is None else value
+
+                print(f"    {config} seed {seed} step {self.state.global_step}/{steps}: logp-diff mean "
+                      f"{number(METRICS['logp_diff_mean']):.5f}, k3 {number('rla/k3'):.2e}, "
+                      f"reward {number('reward'):.3f}, {number('step_time'):.1f} s", file=sys.stderr, flush=True)
 
     callback = CompileCallback()
     dataset = Dataset.from_dict({"prompt": [bundled.decode(p) for p in bundled.prompts(n=8, length=32)]})
@@ -192,6 +197,10 @@ def main(argv=None) -> list[dict]:
             print(f"... {config}, seed {seed}, {args.steps} steps", file=sys.stderr, flush=True)
             results.append(run(config, args.steps, seed))
             print(f"    done in {results[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+            if args.json:  # after every run: a long benchmark stopped early keeps what it measured
+                from common import write
+
+                write(args.json, results)
     print(table(results))
     if args.json:
         from common import write
