@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write  # noqa: E402
 from rla_compile import mismatch  # noqa: E402
-from rla_compile.mismatch import configurations  # noqa: E402
+from rla_compile.mismatch import Stack, configurations  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -27,11 +27,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-ablation", action="store_true", help="only off / one side / both")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled continuations")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
-    rows = configurations(ablation=not args.no_ablation)
-    report = mismatch.measure(inference=args.inference, rows=rows, prompts=args.prompts, new_tokens=args.new_tokens,
+    # the floor a trainer-only change cannot go below: a trainer that does not round at all
+    rows = configurations(ablation=not args.no_ablation) + [
+        ("fp32 trainer, engine stock", Stack.parse("hf-inductor:float32:train"), None)]
+    report = mismatch.measure(inference=args.inference, rows=rows, prompts=args.prompts, new_tokens=args.new_tokens, seed=args.seed,
                               say=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table(), flush=True)
     write(args.json, report.to_dict())

@@ -99,7 +99,8 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
             say: Callable[[str], None] = lambda _: None) -> MismatchReport:
     """Score the same sequences with `trainer` and `inference` under each configuration (rla
     off / one side / both, or per site with `ablation`; or your own `rows` of (label, trainer
-    sites, inference sites)) and compare them. Stacks are `Stack`s or their labels
+    sites, inference sites), where a side may also be a whole `Stack`, e.g. an fp32 trainer
+    `Stack.parse("hf-inductor:float32:train")`) and compare them. Stacks are `Stack`s or their labels
     ('hf-inductor:train'); `inference` may also be just 'vllm' or 'hf'. The rla setting of the
     given stacks is replaced by each row's."""
     from .. import bundled
@@ -131,7 +132,9 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
         return cache[stack]
 
     for label, train_sites, infer_sites in rows or configurations(ablation):
-        t, i = trainer.with_sites(train_sites), inference.with_sites(infer_sites)
+        # a row's side is sites for the given stack, or a whole Stack of its own (e.g. an fp32 trainer)
+        t = train_sites if isinstance(train_sites, Stack) else trainer.with_sites(train_sites)
+        i = infer_sites if isinstance(infer_sites, Stack) else inference.with_sites(infer_sites)
         lp_t, lp_i = logprobs(t), logprobs(i)
         metrics = compare_logprobs(lp_t, lp_i, tokens)
         delta = (lp_t.gather(-1, tokens[:, None]) - lp_i.gather(-1, tokens[:, None]))[:, 0].double()
