@@ -79,7 +79,7 @@ def run_mismatch(args) -> int:
         model_dir = args.model_dir or bundled.MODEL_DIR
         sequences = mismatch.sample(Path(model_dir), bundled.prompts(args.prompts, args.prompt_tokens), args.new_tokens,
                                     args.seed)
-        with mismatch.timed(say, f"running {args.localise[0]} and {args.localise[1]}, recording every site"):
+        with mismatch.timed(say, f"running {args.localise[0]} and {args.localise[1]}, recording every point, then each unrecorded"):
             result = mismatch.localise(*(mismatch.Stack.parse(a) for a in args.localise), sequences, model_dir)
         print(result.table())
         if args.json:
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     mismatch.add_argument("--json", help="write the report as JSON here")
     mismatch.add_argument("--plot", help="write a PNG (δ histograms and per-configuration bars) here")
     mismatch.add_argument("--localise", nargs=2, metavar=("A", "B"),
-                          help="instead: where two HF strategies part, per layer and site (e.g. hf-aot_eager hf-inductor)")
+                          help="instead: where two stacks part, per layer and point (e.g. hf-aot_eager hf-inductor, "
+                               "or hf-inductor+rla:train vllm-inductor+rla)")
 
     inspect = commands.add_parser("inspect", help="align a model and write the debug dump (graphs, diffs, reports)")
     inspect.add_argument("model_dir", nargs="?", help="a local HF model directory (default: the embedded tiny model)")

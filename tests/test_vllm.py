@@ -248,3 +248,29 @@ def test_sites_agree_hf_vs_vllm():
     everywhere = {"residual_rmsnorm", "rmsnorm", "swiglu", "rope"}
     assert set(differing(hf_sites(model, inputs, False, True), vllm_rla)) == everywhere  # HF stock
     assert set(differing(hf_rla, vllm_sites(model, inputs, False, True))) == everywhere  # vLLM stock
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_localise_across_hf_and_vllm():
+    """`localise` with vLLM's compiled engine on one side (hooks traced into its graph, the
+    flattened batch regathered to HF's layout): the same points in the same order, the first
+    divergence marked, and the recording changes neither stack's logprobs."""
+    from rla_compile import bundled
+    from rla_compile.mismatch import Stack, localise
+
+    sequences = torch.tensor(bundled.prompts(2, 16))
+    result = localise(Stack.parse("hf-aot_eager+rla"), Stack.parse("vllm-inductor+rla"), sequences)
+    names = [p.name for p in result.points]
+    assert len(names) == 4 * 10 + 3 and names[:3] == ["model.layers.0.input_layernorm",
+                                                      "model.layers.0.self_attn.q_proj (output)",
+                                                      "model.layers.0.self_attn.v_proj (output)"]
+    assert names[-4:] == ["model.layers.3.mlp", "model.norm", "logits", "logprobs"]
+    assert result.unchanged == {"hf-aot_eager+rla": True, "vllm-inductor+rla": True}
+    # the same embedding into an aligned norm: equal bit for bit, so the tokens line up
+    assert result.points[0].equal
+    first = result.first_divergence
+    assert first is not None and all(p.equal for p in result.points[:result.points.index(first)])
+    assert result.points[-1].kind == "logprobs" and not result.points[-1].equal
+    assert "<- first" in result.table().splitlines()[2 + result.points.index(first)]
+    assert all(p.b_replay is not None for p in result.points if p.kind in ("matmul", "attention", "logits", "logprobs"))

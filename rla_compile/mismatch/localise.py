@@ -3,10 +3,19 @@ recording the outputs of each layer's sites and blocks, and compare them point b
 the largest distance in ulps (units in the last place of the tensors' dtype) and the fraction
 of elements that differ, in execution order, the first divergence first.
 
-Points recorded per decoder layer (HF models): every RMSNorm's output ("rmsnorm"), the query
-and key after RoPE ("rope", through the model's `apply_rotary_pos_emb`), attention's output
-("attention": not a site), the input of the MLP's down projection ("swiglu": the gated
-activation), and the layer's output ("residual": the residual stream); then the logits.
+Points recorded per decoder layer, in execution order: the output of the two RMSNorms on the
+residual stream ("rmsnorm"; not the per-head q/k norms, see UNRECORDED), the query and value
+projections' outputs ("matmul"), the query and key after RoPE ("rope"), attention's
+output before o_proj ("attention": not a site), o_proj's output ("matmul"), the input of the
+MLP's down projection ("swiglu": the gated activation) and the MLP's output ("matmul"; not
+the layer's output, see UNRECORDED); then the final norm, the logits and the
+fp32 logprobs at positions 0..T-2 (those that predict a token of the sequence).
+
+HF stacks are recorded with forward hooks and a wrapper around the modeling module's
+`apply_rotary_pos_emb`; vLLM stacks in a fresh engine process with hooks on vLLM's modules
+(`vllm_localise`), regathered to HF's layout. Recording adds graph outputs to a compiled
+stack, so each stack is also run unrecorded and the table says whether its logprobs stayed
+bit for bit the same (`Localisation.unchanged`).
 """
 
 from __future__ import annotations
@@ -18,11 +27,16 @@ from pathlib import Path
 
 import torch
 
-from .stacks import DTYPES, Stack, hf_logits, hf_runner
+from .stacks import DTYPES, Stack, hf_logits, hf_runner, run_vllm_worker, score
 
 __all__ = ["Point", "Localisation", "localise", "ulp_distance"]
 
 
+# Not recorded, because recording changes what Inductor compiles (measured on the shipped model,
+# hf-inductor+rla:train): the per-head q/k norms feed RoPE in one fused kernel, in fp32, and
+# recording them stored them as bf16 (logits moved by up to 0.375); the layers' outputs (the
+# residual stream) are not stored between layers either (recording them: up to 0.19).
+UNRECORDED = ("self_attn.q_norm", "self_attn.k_norm")
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
 
 
@@ -44,10 +58,15 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Point:
     name: str  # e.g. model.layers.0.mlp.down_proj (input)
-    kind: str  # rmsnorm, rope, attention, swiglu, residual, logits
+    kind: str  # rmsnorm, matmul, rope, attention, swiglu, logits, logprobs
     dtype: str
     max_ulp: float
     differing: float  # fraction of elements that differ
+    max_abs: float  # largest |a - b|
+    # max ulp of each stack's output against eager ATen recomputing it from that stack's own
+    # recorded input (matmuls, attention, logits, logprobs); None: not replayed
+    a_replay: float | None = None
+    b_replay: float | None = None
 
     @property
     def equal(self) -> bool:
@@ -59,6 +78,8 @@ class Localisation:
     a: str
     b: str
     points: list[Point] = field(default_factory=list)
+    # per stack label: did recording leave its logprobs bit for bit those of an unrecorded run?
+    unchanged: dict[str, bool] = field(default_factory=dict)
 
     @property
     def first_divergence(self) -> Point | None:
@@ -68,16 +89,20 @@ class Localisation:
         first = self.first_divergence
         lines = [f"{self.a} vs {self.b}: " + (f"first divergence at {first.name} ({first.kind})" if first
                                                  else "bitwise identical at every point")]
-        lines.append(f"{'point':<46}{'kind':<11}{'dtype':<10}{'max ulp':>9}{'differ':>9}")
+        lines.append(f"{'point':<46}{'kind':<11}{'dtype':<10}{'max ulp':>9}{'differ':>9}{'max |Δ|':>10}{'A/ref':>8}{'B/ref':>8}")
         for p in self.points:
             mark = "  <- first" if p is first else ""
-            lines.append(f"{p.name:<46}{p.kind:<11}{p.dtype:<10}{p.max_ulp:>9.3g}{p.differing:>9.2%}{mark}")
+            replay = "".join(f"{'-' if r is None else format(r, '.3g'):>8}" for r in (p.a_replay, p.b_replay))
+            lines.append(f"{p.name:<46}{p.kind:<11}{p.dtype:<10}{p.max_ulp:>9.3g}{p.differing:>9.2%}{p.max_abs:>10.3g}{replay}{mark}")
+        for label, same in self.unchanged.items():
+            lines.append(f"recorded {label}: logprobs " + ("bit for bit those of an unrecorded run" if same else
+                         "DIFFER from an unrecorded run's: recording changed what was compiled; read its points with care"))
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         first = self.first_divergence
         return {"a": self.a, "b": self.b, "first_divergence": first.name if first else None,
-                "points": [p.__dict__ | {"equal": p.equal} for p in self.points]}
+                "points": [p.__dict__ | {"equal": p.equal} for p in self.points], "unchanged": self.unchanged}
 
 
 @contextmanager
@@ -94,15 +119,19 @@ def _recording(model, record: list):
 
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if "RMSNorm" in cls:
+        if "RMSNorm" in cls and not name.endswith(UNRECORDED):
             handles.append(module.register_forward_hook(keep(name, "rmsnorm")))
         elif name.endswith("mlp.down_proj"):
             handles.append(module.register_forward_pre_hook(
                 lambda module, args, name=name: record.append((f"{name} (input)", "swiglu", args[0]))))
-        elif name.endswith("self_attn"):
-            handles.append(module.register_forward_hook(keep(name, "attention")))
-    for index, layer in enumerate(layers):
-        handles.append(layer.register_forward_hook(keep(f"model.layers.{index}", "residual")))
+        elif name.endswith("self_attn.q_proj") or name.endswith("self_attn.v_proj"):
+            handles.append(module.register_forward_hook(keep(f"{name} (output)", "matmul")))
+        elif name.endswith("self_attn.o_proj"):
+            handles.append(module.register_forward_pre_hook(
+                lambda module, args, name=name: record.append((f"{name} (input)", "attention", args[0]))))
+        elif name.endswith("self_attn") or name.endswith(".mlp"):
+            handles.append(module.register_forward_hook(keep(name, "matmul")))
+    for layer in layers:
         modeling = sys.modules[type(layer.self_attn).__module__]
         if hasattr(modeling, "apply_rotary_pos_emb") and not patched:
             original = modeling.apply_rotary_pos_emb
@@ -124,16 +153,51 @@ def _recording(model, record: list):
             modeling.apply_rotary_pos_emb = original
 
 
-def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
+def _references(model, points: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Eager ATen recomputing each projection, attention, the logits and the logprobs from the
+    same stack's recorded inputs, with the checkpoint's weights: what an op gives on that
+    stack's own input, so its distance says whether the stack's op is eager ATen's."""
+    import torch.nn.functional as F
+
+    refs = {}
+    for i, layer in enumerate(model.model.layers):
+        p, attn = f"model.layers.{i}", layer.self_attn
+        x = points.get(f"{p}.input_layernorm")
+        for proj in ("q_proj", "v_proj"):
+            if x is not None and f"{p}.self_attn.{proj} (output)" in points:
+                refs[f"{p}.self_attn.{proj} (output)"] = F.linear(x, getattr(attn, proj).weight, getattr(attn, proj).bias)
+        q, k, v = (points.get(f"{p}.self_attn.{n}") for n in ("rope (query)", "rope (key)", "v_proj (output)"))
+        modeling = sys.modules[type(attn).__module__]
+        if None not in (q, k, v) and hasattr(modeling, "eager_attention_forward"):
+            length = q.shape[2]
+            mask = torch.full((length, length), torch.finfo(q.dtype).min, dtype=q.dtype).triu(1)[None, None]
+            v = v.unflatten(-1, (-1, q.shape[-1])).transpose(1, 2)
+            out, _ = modeling.eager_attention_forward(attn, q, k, v, mask, scaling=attn.scaling, dropout=0.0)
+            refs[f"{p}.self_attn.o_proj (input)"] = out.reshape(*out.shape[:2], -1)
+        for point, source, linear in ((f"{p}.self_attn", f"{p}.self_attn.o_proj (input)", attn.o_proj),
+                                      (f"{p}.mlp", f"{p}.mlp.down_proj (input)", layer.mlp.down_proj)):
+            if source in points:
+                refs[point] = F.linear(points[source], linear.weight, linear.bias)
+    if "model.norm" in points:
+        refs["logits"] = model.get_output_embeddings()(points["model.norm"][:, :-1])
+    if "logits" in points:
+        refs["logprobs"] = torch.log_softmax(points["logits"].float(), -1)
+    return refs
+
+
+def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> tuple[list, torch.Tensor]:
+    """The stack's points [(name, kind, tensor)] in HF's layout and order, and its logprobs."""
+    if stack.engine == "vllm":
+        out = run_vllm_worker("rla_compile.mismatch.vllm_localise", stack, model_dir, sequences)
+        return out["points"], out["logprobs"]
     from ..bundled import load
 
-    if stack.engine != "hf":
-        raise ValueError(f"localise compares HF execution strategies; {stack.label} is not one (vLLM's modules differ)")
     model = load(DTYPES[stack.dtype], model_dir)
     record: list = []
     with _recording(model, record):
-        logits = hf_logits(stack, hf_runner(stack, model)[0], sequences)
-    record.append(("logits", "logits", logits))
+        logits = hf_logits(stack, hf_runner(stack, model)[0], sequences)[:, :-1].detach()
+    logprobs = torch.log_softmax(logits.float(), -1)  # as stacks.hf_logprobs scores
+    record += [("logits", "logits", logits), ("logprobs", "logprobs", logprobs)]
     # RoPE points are recorded without their layer: number them in order
     layer_of_rope, named = 0, []
     for name, kind, tensor in record:
@@ -141,20 +205,34 @@ def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> list[tup
             name = f"model.layers.{layer_of_rope // 2}.self_attn.{name}"
             layer_of_rope += 1
         named.append((name, kind, tensor.detach()))
-    return named
+    return named, logprobs
 
 
-def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path | None = None) -> Localisation:
-    """Compare two HF execution strategies point by point on `sequences` ([B, T] token ids)."""
+def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path | None = None,
+             check_unchanged: bool = True) -> Localisation:
+    """Compare two stacks (HF or vLLM, any pair) point by point on `sequences` ([B, T] token
+    ids). With `check_unchanged`, each stack is also scored without recording, and
+    `Localisation.unchanged` says whether recording left its logprobs bit for bit the same."""
     from .. import bundled
 
     model_dir = Path(model_dir or bundled.MODEL_DIR)
-    first, second = _capture(a, model_dir, sequences), _capture(b, model_dir, sequences)
+    (first, lp_a), (second, lp_b) = _capture(a, model_dir, sequences), _capture(b, model_dir, sequences)
     if [n for n, _, _ in first] != [n for n, _, _ in second]:
-        raise RuntimeError(f"{a.label} and {b.label} recorded different points; cannot compare them")
+        missing = sorted({n for n, _, _ in first} ^ {n for n, _, _ in second})
+        raise RuntimeError(f"{a.label} and {b.label} recorded different points ({missing[:4]}...); cannot compare them")
+    from ..bundled import load
+
+    model = load(DTYPES[a.dtype], model_dir).eval()
+    with torch.no_grad():
+        refs = [_references(model, {n: t for n, _, t in side}) for side in (first, second)]
     result = Localisation(a.label, b.label)
     for (name, kind, x), (_, _, y) in zip(first, second):
         distance = ulp_distance(x, y)
+        replay = [float(ulp_distance(t, ref[name]).max()) if name in ref else None for t, ref in ((x, refs[0]), (y, refs[1]))]
         result.points.append(Point(name, kind, str(x.dtype).removeprefix("torch."), float(distance.max()),
-                                   float((distance > 0).double().mean())))
+                                   float((distance > 0).double().mean()), float((x.double() - y.double()).abs().max()),
+                                   *replay))
+    if check_unchanged:
+        for stack, recorded in ((a, lp_a), (b, lp_b)):
+            result.unchanged[stack.label] = torch.equal(score(stack, model_dir, sequences)["logprobs"], recorded)
     return result

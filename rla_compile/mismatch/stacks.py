@@ -137,6 +137,13 @@ def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> dict:
 def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None) -> dict:
     """Score in a fresh process: each engine gets its own compile caches and environment (the
     fp32 RoPE tables are switched per process), and vLLM's globals never leak between stacks."""
+    return run_vllm_worker("rla_compile.mismatch.vllm_worker", stack, model_dir, sequences, workdir)
+
+
+def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch.Tensor,
+                    workdir: Path | None = None) -> dict:
+    """Run `python -m module REQUEST.json` for `stack` in a fresh process (in-process engine,
+    fresh vLLM and Inductor caches) and return what it saved."""
     if not has_vllm():
         from ..integrations.vllm import INSTALL
 
@@ -152,7 +159,7 @@ def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdi
         for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                            ("VLLM_USE_AOT_COMPILE", "0")):
             env.setdefault(key, value)
-        done = subprocess.run([sys.executable, "-m", "rla_compile.mismatch.vllm_worker", str(tmp / "request.json")],
+        done = subprocess.run([sys.executable, "-m", module, str(tmp / "request.json")],
                               capture_output=True, text=True, env=env)
         if done.returncode:
             raise RuntimeError(f"the vLLM stack {stack.label} failed:\n{done.stderr[-4000:]}")
