@@ -180,17 +180,98 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(results: list[dict]) -> str:
+    """Per configuration over seeds: the run's mean over steps of each metric, as mean, min and
+    max over seeds, and the mean logp-diff relative to stock on the same seed (paired)."""
+    by_config: dict[str, dict[int, dict]] = {}
+    for r in results:
+        by_config.setdefault(r["config"], {})[r["seed"]] = r
+
+    def run_mean(r, key):
+        values = [row[key] for row in r["steps"] if row.get(key) is not None]
+        return statistics.fmean(values) if values else float("nan")
+
+    def spread(values):
+        return f"{statistics.fmean(values):.5f} [{min(values):.5f}, {max(values):.5f}]"
+
+    lines = [f"{'config':11} {'seeds':>5}  {'logp-diff mean [min, max over seeds]':>36}  {'k3 x1e5':>16}  "
+             f"{'vs stock (paired)':>22}  {'reward (last 5)':>15}  {'graphs':>6}  {'compile s':>9}"]
+    stock = by_config.get("stock", {})
+    for config in [c for c in CONFIGS if c in by_config]:
+        runs = by_config[config]
+        diffs = [run_mean(r, "logp_diff_mean") for r in runs.values()]
+        k3s = [run_mean(r, "k3") * 1e5 for r in runs.values()]
+        ratios = [run_mean(r, "logp_diff_mean") / run_mean(stock[s], "logp_diff_mean") for s, r in runs.items() if s in stock]
+        rewards = [statistics.fmean(row["reward"] for row in r["steps"][-5:]) for r in runs.values()]
+        graphs = [r.get("compiled_graphs", 0) for r in runs.values()]
+        compile_s = [r.get("compile_seconds", 0.0) for r in runs.values()]
+        vs = (f"{statistics.fmean(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]" if ratios else "-")
+        lines.append(f"{config:11} {len(runs):>5}  {spread(diffs):>36}  {statistics.fmean(k3s):>7.2f} "
+                     f"[{min(k3s):.1f}-{max(k3s):.1f}]  {vs:>22}  {statistics.fmean(rewards):>15.3f}  "
+                     f"{statistics.fmean(graphs):>6.1f}  {statistics.fmean(compile_s):>9.1f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    """logp-diff mean and reward per step, a line per configuration (mean over seeds) with a band
+    from the lowest to the highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rla_compile.machine import describe, machine
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    for config in CONFIGS:
+        runs = [r for r in results if r["config"] == config]
+        if not runs:
+            continue
+        steps = min(len(r["steps"]) for r in runs)
+        x = list(range(1, steps + 1))
+        for ax, key in zip(axes, ("logp_diff_mean", "reward")):
+            per_step = [[r["steps"][i][key] for r in runs] for i in range(steps)]
+            mean = [statistics.fmean(v) for v in per_step]
+            line, = ax.plot(x, mean, label=f"{config} ({len(runs)} seeds)", linewidth=1.4)
+            ax.fill_between(x, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.15, color=line.get_color())
+    axes[0].set_ylabel("TRL sampling/sampling_logp_difference/mean")
+    axes[1].set_ylabel("reward (lowercase share of the completion)")
+    for ax in axes:
+        ax.set_xlabel("GRPO step")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"TRL GRPO on the shipped model, vLLM-CPU colocate; mean over seeds, band = min..max; "
+                 f"{describe(machine())}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--json")
+    parser.add_argument("--plot", help="write a PNG of the per-step curves here")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="run nothing: merge these result files, print the summary (and --plot, --json)")
     parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.steps, args.seeds[0])))
         return []
+    if args.report:
+        from common import write
+
+        results = [r for path in args.report for r in json.loads(Path(path).read_text())["results"]]
+        print(table(results))
+        print()
+        print(summary(results))
+        if args.plot:
+            plot(results, args.plot)
+        if args.json:
+            write(args.json, results)
+        return results
     results = []
     for seed in args.seeds:
         for config in args.configs:
@@ -202,6 +283,10 @@ def main(argv=None) -> list[dict]:
 
                 write(args.json, results)
     print(table(results))
+    print()
+    print(summary(results))
+    if args.plot:
+        plot(results, args.plot)
     if args.json:
         from common import write
 
