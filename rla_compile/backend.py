@@ -25,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import checkpoint
+from . import checkpoint, fx
 from .config import Options
 from .engine import align, is_site_rounding
 from .debug import Rewrite, dump, python_source, trace_artifacts, tracing
@@ -49,12 +49,34 @@ class PinSiteRounding(CustomGraphPass):
         self._uuid = options.uuid()
 
     def __call__(self, graph: Graph) -> None:
+        from torch._inductor import config as inductor_config
+
         for node in graph.nodes:
             if is_site_rounding(node):
                 node.meta["low_precision_pointwise_barrier"] = True
+                if not inductor_config.emulate_precision_casts:
+                    for upcast in _upcasts_of(node):
+                        upcast.meta["should_fallback"] = True
 
     def uuid(self) -> str:
         return self._uuid
+
+
+def _upcasts_of(rounding) -> list:
+    """The widening casts that read a site's rounded output, through views: where one site's
+    output enters the next (RMSNorm -> RoPE). Unpinned, Inductor's CPU code generator caches
+    the fp32 value a low-precision store came from and hands it to a load + upcast of that
+    buffer in the same kernel, skipping the rounding (torch/_inductor/codegen/cpp.py,
+    `to_dtype`'s "cse cache trick", off only under emulate_precision_casts). Running these
+    upcasts as ATen calls makes them read the stored bf16 values."""
+    found, stack = [], list(rounding.users)
+    while stack:
+        user = stack.pop()
+        if fx.moves_data(user):
+            stack.extend(user.users)
+        elif fx.widens(user):
+            found.append(user)
+    return found
 
 
 def _pre_dispatch(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:

@@ -112,3 +112,35 @@ def test_site_rounding_survives_fusion_into_a_consumer_unpinned():
     norm_ref = (w.float() * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))).bfloat16()
     assert torch.equal(outs["aot_eager"][0], norm_ref + y)
     assert torch.equal(outs["aot_eager"][1], (F.silu(g.float()) * u.float()).bfloat16() + y)
+
+
+def test_site_to_site_rounding_survives_the_cpu_kernel_cache_unpinned():
+    """Qwen3's q_norm feeding RoPE: the norm's rounded output is stored and read back, upcast,
+    in the same fused CPU kernel. Inductor's C++ code generator would hand the load the fp32
+    value the store came from (its cse cache trick, unpinned only), skipping the rounding the
+    contract puts there: 1736 of 6144 outputs differed from eager kernels before rla ran those
+    upcasts as ATen calls."""
+
+    def rotate_half(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+    def q_norm_then_rope(q, w, cos, sin):
+        qf = q.float()
+        n = (w * (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(q.dtype)).transpose(1, 2)
+        return n * cos + rotate_half(n) * sin
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 24, 4, 32, generator=gen).bfloat16()
+    w = (1 + 0.1 * torch.randn(32, generator=gen)).bfloat16()
+    angles = torch.outer(torch.arange(24.0), 1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32)).repeat(1, 2)
+    cos, sin = angles.cos().bfloat16()[None, None], angles.sin().bfloat16()[None, None]
+    outs = {}
+    for inner in ("inductor", "aot_eager"):
+        torch._dynamo.reset()
+        backend = rla_compile.backend(inner=inner, pin_rounding=False)
+        with inductor_config.patch(fx_graph_cache=False):
+            outs[inner] = torch.compile(q_norm_then_rope, backend=backend)(q, w, cos, sin)
+        assert backend.reports[0].counts() == {"rmsnorm": 1, "rope": 1}
+    torch._dynamo.reset()
+    assert int((outs["inductor"] != outs["aot_eager"]).sum()) == 0
