@@ -45,8 +45,9 @@ METRICS = {
 }
 
 
-def worker(config: str, steps: int, seed: int) -> dict:
-    """One GRPO run in this process; returns TRL's per-step metrics."""
+def worker(config: str, steps: int, seed: int, progress=sys.stdout) -> dict:
+    """One GRPO run in this process; returns TRL's per-step metrics. Progress lines go to
+    `progress` (stdout: the parent passes them on; the result is the last line)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from datasets import Dataset
@@ -114,7 +115,7 @@ def worker(config: str, steps: int, seed: int) -> dict:
 
                 print(f"    {config} seed {seed} step {self.state.global_step}/{steps}: logp-diff mean "
                       f"{number(METRICS['logp_diff_mean']):.5f}, k3 {number('rla/k3'):.2e}, "
-                      f"reward {number('reward'):.3f}, {number('step_time'):.1f} s", file=sys.stderr, flush=True)
+                      f"reward {number('reward'):.3f}, {number('step_time'):.1f} s", file=progress, flush=True)
 
     callback = CompileCallback()
     dataset = Dataset.from_dict({"prompt": [bundled.decode(p) for p in bundled.prompts(n=8, length=32)]})
@@ -147,18 +148,20 @@ def run(config: str, steps: int, seed: int) -> dict:
         env.update(VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                    VLLM_USE_AOT_COMPILE="0")
         start = time.perf_counter()
-        worker_process = subprocess.Popen([sys.executable, __file__, "--worker", config, "--steps", str(steps),
-                                           "--seeds", str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, env=env, cwd=cache)
-        tail: list[str] = []
-        for line in worker_process.stderr:  # the progress lines pass through; the rest is kept for errors
-            if line.startswith(f"    {config} seed"):
-                print(line, end="", file=sys.stderr, flush=True)
-            tail = (tail + [line])[-60:]
-        stdout = worker_process.stdout.read()
-        if worker_process.wait() != 0:
-            raise RuntimeError(f"{config} (seed {seed}) failed:\n{''.join(tail)[-4000:]}")
-        result = json.loads(stdout.strip().splitlines()[-1])
+        with tempfile.TemporaryFile("w+") as errors:
+            worker_process = subprocess.Popen([sys.executable, __file__, "--worker", config, "--steps", str(steps),
+                                               "--seeds", str(seed)], stdout=subprocess.PIPE, stderr=errors,
+                                              text=True, env=env, cwd=cache)
+            last = ""
+            for line in worker_process.stdout:  # progress lines pass through; the result is the last line
+                if line.startswith(f"    {config} seed"):
+                    print(line, end="", file=sys.stderr, flush=True)
+                elif line.strip():
+                    last = line
+            if worker_process.wait() != 0:
+                errors.seek(0)
+                raise RuntimeError(f"{config} (seed {seed}) failed:\n{errors.read()[-4000:]}")
+        result = json.loads(last)
         result["wall_s"] = time.perf_counter() - start
         return result
 
