@@ -29,6 +29,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from ..backend import pin_eager_math
 from ..config import Options
 from ..engine import align
 from ..report import GraphReport
@@ -81,6 +82,8 @@ def make_pass(options: Options):
             keep = self.options.debug_dir is not None
             before = _texts(gm) if keep else None
             report = align(gm, self.options, name=f"vllm_{len(self.reports)}", post_grad=True)
+            if self.options.pin_rounding:  # as the backend: the sites round eager's fp32 values
+                pin_eager_math(graph)
             self.reports.append(report)
             log.info("%s", report.summary())
             if keep:
