@@ -32,34 +32,50 @@ from .debug import Rewrite, dump, python_source, trace_artifacts, tracing
 from .printer import format_graph
 from .report import GraphReport
 
-__all__ = ["Backend", "backend", "inspect", "rla_backend", "PinSiteRounding"]
+__all__ = ["Backend", "backend", "inspect", "rla_backend", "PinSiteRounding", "eager_math_nodes", "pin_eager_math"]
 
 log = logging.getLogger(__name__)
 
 
 class PinSiteRounding(CustomGraphPass):
-    """Post-grad pass: keep every site's output rounding through Inductor's fusion.
+    """Post-grad pass: keep every site's output rounding through Inductor's fusion and, with
+    `pin_rounding`, round the same fp32 value as eager kernels do.
 
     With `emulate_precision_casts=False` Inductor computes fused pointwise chains in fp32 and
     drops in-kernel casts, including a site's output rounding when its consumer fuses into
     the same kernel. The per-node barrier makes the lowering round at exactly these nodes.
+
+    With `pin_rounding`, the fp32 reductions and transcendentals that a site rounding reads
+    also run on ATen's kernels, as under `inner="aot_eager"` (`eager_math_nodes`): the site
+    then rounds the same fp32 value whatever the inner compiler.
     """
 
     def __init__(self, options: Options):
-        self._uuid = options.uuid()
+        self._uuid = options.uuid()  # covers pin_rounding; Inductor's own key covers emulate_precision_casts
 
     def __call__(self, graph: Graph) -> None:
-        from torch._inductor import config as inductor_config
-
-        for node in graph.nodes:
-            if is_site_rounding(node):
-                node.meta["low_precision_pointwise_barrier"] = True
-                if not inductor_config.emulate_precision_casts:
-                    for upcast in _upcasts_of(node):
-                        upcast.meta["should_fallback"] = True
+        pin_site_roundings(graph)
 
     def uuid(self) -> str:
         return self._uuid
+
+
+def pin_site_roundings(graph: Graph) -> None:
+    """What both compiled paths (this backend, vLLM's pass) do to a post-grad graph so that
+    Inductor computes the contract: every site rounding carries the rounding barrier; unpinned,
+    upcasts of a rounded site output run on ATen (`_upcasts_of`); pinned, the fp32 math a site
+    rounds runs on ATen (`pin_eager_math`)."""
+    from torch._inductor import config as inductor_config
+
+    pinned = inductor_config.emulate_precision_casts  # pin_rounding, or the user's own setting
+    for node in graph.nodes:
+        if is_site_rounding(node):
+            node.meta["low_precision_pointwise_barrier"] = True
+            if not pinned:
+                for upcast in _upcasts_of(node):
+                    upcast.meta["should_fallback"] = True
+    if pinned:
+        pin_eager_math(graph)
 
 
 def _upcasts_of(rounding) -> list:
@@ -77,6 +93,73 @@ def _upcasts_of(rounding) -> list:
         elif fx.widens(user):
             found.append(user)
     return found
+
+
+# Pointwise ops whose fp32 result IEEE arithmetic fixes (exact, or one correctly rounded
+# operation), so Inductor's generated code and ATen's kernels agree bit for bit (rsqrt is
+# 1/sqrt in both on CPU). Checked on CPU; on CUDA, Triton's division is approximate unless
+# Inductor's `eager_numerics.division_rounding` is set.
+_EXACT_POINTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "abs", "reciprocal", "sqrt", "rsqrt", "where", "clamp",
+    "clamp_min", "clamp_max", "maximum", "minimum", "sign", "floor", "ceil", "round", "trunc",
+    "copy", "clone", "_to_copy", "convert_element_type", "fill", "full_like", "scalar_tensor",
+})
+# Reductions whose result does not depend on the order in which elements are combined.
+_ORDER_FREE_REDUCTIONS = frozenset({"amax", "amin", "max", "min", "argmax", "argmin", "any", "all"})
+
+
+def eager_math_nodes(graph: Graph) -> list:
+    """The fp32 nodes a site rounding reads whose value Inductor computes differently from ATen.
+
+    Inductor generates its own code for reductions (its vectorised accumulation order is not
+    ATen's: RMSNorm's mean(x^2)) and for transcendentals (its vectorised cos/sin are not
+    ATen's: RoPE's tables, which the cast bypass hands the sites in fp32). A 1-ulp fp32
+    difference there moves a site's one rounding across a boundary on some inputs; running
+    the ATen op instead makes the value eager's. Basic arithmetic agrees already.
+
+    Walked back from every low-precision site rounding through values wider than it (fp32);
+    low-precision and integer values end the walk (rounded, or exact). Only nodes that are an
+    eager op themselves are returned, never pieces of an op Inductor decomposed (silu -> exp):
+    running a piece on ATen would not reproduce the eager kernel.
+    """
+    found: set = set()
+    stack = [n for n in graph.nodes if is_site_rounding(n) and fx.is_low_precision(n)]
+    seen = set(stack)
+    while stack:
+        for value in stack.pop().all_input_nodes:
+            if value in seen or value.op != "call_function" or not _wide_float(value):
+                continue
+            seen.add(value)
+            stack.append(value)
+            if _differs_from_eager(value):
+                found.add(value)
+    return [n for n in graph.nodes if n in found]
+
+
+def pin_eager_math(graph: Graph) -> None:
+    """Make Inductor run `eager_math_nodes(graph)` as calls to their ATen ops (per-node
+    fallback), so each site rounds eager's fp32 value."""
+    for node in eager_math_nodes(graph):
+        node.meta["should_fallback"] = True
+
+
+def _wide_float(node) -> bool:
+    """fp32/fp64 tensors (or tuples of them: var_mean): the values a site's fp32 math reads."""
+    val = node.meta.get("val")
+    tensors = [v for v in (val if isinstance(val, (list, tuple)) else (val,)) if isinstance(v, torch.Tensor)]
+    return bool(tensors) and all(t.dtype.is_floating_point and t.dtype not in fx.LOW_PRECISION for t in tensors)
+
+
+def _differs_from_eager(node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or str(node.meta.get("original_aten")) != str(target):
+        return False  # not an eager op itself (compared by name: the meta may hold a copy)
+    name = fx.op_name(node)
+    if torch.Tag.reduction in target.tags:
+        return name not in _ORDER_FREE_REDUCTIONS
+    if name == "pow":  # x ** 2 is x * x in both; other exponents go through pow's own code
+        return fx.constant(node.args[1] if len(node.args) > 1 else None) not in (1.0, 2.0)
+    return torch.Tag.pointwise in target.tags and name not in _EXACT_POINTWISE
 
 
 def _pre_dispatch(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:

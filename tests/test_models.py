@@ -47,8 +47,8 @@ def test_tiny_model_sites_and_inner_independence(model_type, record_property):
 
     # Without rla the compiled models round mid-site and land elsewhere.
     assert apart["inductor, rounding like eager (no rla)"] > base.numel() // 10
-    # With rounding pinned, bit-identical whatever the inner compiler. (The contract allows a
-    # rare 1-ulp flip where Inductor's fp32 reduction order differs from ATen's; these inputs
-    # show none.) Unpinned, the sites still follow the contract but the rest of the graph
+    # With rounding pinned, bit-identical whatever the inner compiler (the sites' reductions
+    # and fp32 cos/sin run on ATen's kernels; many inputs: test_invariance.py). Unpinned, the
+    # sites still follow the contract but the rest of the graph
     # (attention's scale/mask/softmax casts) rounds where Inductor fuses: recorded, not asserted.
     assert apart["rla inductor pinned"] == 0

@@ -9,6 +9,10 @@ What "bit for bit" compares against:
   backward's sums, its vectorised tanh/exp) can move a value across a rounding boundary: at
   most 1 ulp of the output dtype, in at most 1% of elements. That is the compiler's fp32
   arithmetic, not a rounding location, and the test bounds it.
+- inner="inductor" with rounding pinned: the outputs equal the *eager* reference, since the
+  reductions and transcendentals a site rounding reads run on ATen's kernels
+  (`PinSiteRounding`); each gradient equals one of the two references (values saved from the
+  forward are eager's, the backward's own sums Inductor's).
 """
 
 from __future__ import annotations
@@ -69,7 +73,12 @@ def test_site_follows_contract(case: Case, dtype, pin, inner):
         assert _mismatches(got, eager_ref) == [0] * len(got)
         return
     compiled_ref = _run(case.reference, case, dtype, "inductor", emulate=pin)
-    assert _mismatches(got, compiled_ref) == [0] * len(got)
+    if pin:
+        outputs = len(got) - len(case.grads)
+        assert _mismatches(got[:outputs], eager_ref[:outputs]) == [0] * outputs
+        assert [min(pair) for pair in zip(_mismatches(got, compiled_ref), _mismatches(got, eager_ref))] == [0] * len(got)
+    else:
+        assert _mismatches(got, compiled_ref) == [0] * len(got)
     for a, b in zip(got, eager_ref):
         differ = a != b
         assert int(differ.sum()) <= max(1, a.numel() // 100)

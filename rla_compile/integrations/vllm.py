@@ -42,6 +42,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from ..backend import pin_site_roundings
 from ..config import OptionError, Options
 from ..engine import align
 from ..report import GraphReport
@@ -114,6 +115,7 @@ def _pass_class() -> type:
             keep = self.options.debug_dir is not None
             before = _texts(gm) if keep else None
             report = align(gm, self.options, name=f"vllm_{len(self.reports)}", post_grad=True)
+            pin_site_roundings(graph)  # as the backend
             self.reports.append(report)
             log.info("%s", report.summary())
             if keep:
