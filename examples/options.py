@@ -42,7 +42,7 @@ try:
     rla_compile.backend(sites=["layernorm"])
 except rla_compile.OptionError as error:
     print("refused:", error)
-    assert "valid: rmsnorm, residual_rmsnorm, swiglu, rope" in str(error)
+    assert "valid: rmsnorm, residual_rmsnorm, swiglu, rope, logits" in str(error)
 else:
     raise AssertionError("an unknown site name was accepted")
 

@@ -37,7 +37,8 @@ MODELS = {
 def _logits(model, backend, inputs, emulate=False):
     torch._dynamo.reset()
     forward = torch.compile(model, backend=backend, dynamic=False)
-    with inductor_config.patch(emulate_precision_casts=emulate), torch.no_grad():
+    # no FX graph cache: a hit would serve the compiled code without running the post-grad pass
+    with inductor_config.patch(emulate_precision_casts=emulate, fx_graph_cache=False), torch.no_grad():
         return [forward(ids, use_cache=False).logits.float() for ids in inputs]
 
 
