@@ -45,6 +45,22 @@ def train_step(compiled, model, ids):
     return step
 
 
+def saved_bytes_of(step) -> int:
+    """Bytes autograd saves for the backward while `step()` runs its forward (saved-tensor
+    hooks); `step` returns the loss, which is then backpropagated."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    loss.backward()
+    return total
+
+
 def write(path: str | None, results, device: str = "cpu") -> None:
     if path:
         Path(path).write_text(json.dumps({"machine": machine(device), "results": results}, indent=2) + "\n")

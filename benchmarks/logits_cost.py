@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rla_compile  # noqa: E402
-from common import write  # noqa: E402
+from common import saved_bytes_of, write  # noqa: E402
 
 VARIANTS = {
     "rla (4 sites)": list(rla_compile.DEFAULT_SITES),
@@ -64,20 +64,6 @@ def train_step(compiled, h, labels):
     return loss
 
 
-def saved_bytes(compiled, h, labels) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = compiled(h, labels)
-    loss.backward()
-    return total
-
-
 def peak_rss(args, name: str) -> float:
     """Peak RSS (MB) of a fresh process: one warm-up and one measured training step."""
     done = subprocess.run([sys.executable, __file__, "--rss-of", name, "--tokens", str(args.tokens), "--hidden",
@@ -112,7 +98,7 @@ def main(argv=None) -> dict:
         first = time.perf_counter() - start
         logits_sites = [s.status for r in backend.reports for s in r.sites if s.kind == "logits"]
         runs[name] = {"compiled": compiled, "h": h, "labels": labels, "first_call_s": first, "logits_site": logits_sites,
-                      "saved_bytes": saved_bytes(compiled, h, labels), "logprobs": logprobs}
+                      "saved_bytes": saved_bytes_of(lambda: compiled(h, labels)), "logprobs": logprobs}
     for run in runs.values():  # warm: both variants compiled and run before any timing
         train_step(run["compiled"], run["h"], run["labels"])
         with torch.no_grad():

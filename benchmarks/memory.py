@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, VARIANTS, model_and_tokens, write  # noqa: E402
+from common import SIZES, VARIANTS, model_and_tokens, saved_bytes_of, write  # noqa: E402
 
 
 def saved_bytes(size: str, backend, device: str = "cpu") -> int:
@@ -22,17 +22,7 @@ def saved_bytes(size: str, backend, device: str = "cpu") -> int:
     model, ids = model_and_tokens(size, device)
     compiled = torch.compile(model, backend=backend)
     compiled(ids, labels=ids, use_cache=False).loss.backward()  # compile (and warm) first
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = compiled(ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    return total
+    return saved_bytes_of(lambda: compiled(ids, labels=ids, use_cache=False).loss)
 
 
 def cuda_peak_bytes(size: str, backend) -> int:

@@ -263,39 +263,27 @@ def main(argv=None) -> list[dict]:
     if args.worker:
         print(json.dumps(worker(args.worker, args.steps, args.seeds[0])))
         return []
+    from common import write
+
     if args.report:
-        from common import write
-
         results = [r for path in args.report for r in json.loads(Path(path).read_text())["results"]]
-        print(table(results))
-        print()
-        print(summary(results))
-        if args.plot:
-            plot(results, args.plot)
-        if args.json:
-            write(args.json, results)
-        return results
-    results = []
-    for seed in args.seeds:
-        for config in args.configs:
-            print(f"... {config}, seed {seed}, {args.steps} steps", file=sys.stderr, flush=True)
-            results.append(run(config, args.steps, seed))
-            print(f"    done in {results[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
-            if args.json:  # after every run: a long benchmark stopped early keeps what it measured
-                from common import write
-
-                write(args.json, results)
+    else:
+        results = []
+        for seed in args.seeds:
+            for config in args.configs:
+                print(f"... {config}, seed {seed}, {args.steps} steps", file=sys.stderr, flush=True)
+                results.append(run(config, args.steps, seed))
+                print(f"    done in {results[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+                if args.json:  # after every run: a long benchmark stopped early keeps what it measured
+                    write(args.json, results)
     print(table(results))
     print()
     print(summary(results))
     if args.plot:
         plot(results, args.plot)
     if args.json:
-        from common import write
-
         write(args.json, results)
     return results
-
 
 if __name__ == "__main__":
     main()
