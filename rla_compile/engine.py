@@ -31,7 +31,7 @@ from torch.fx import Graph, GraphModule, Node
 from . import fx
 from .config import Options
 from .report import GraphReport, NearMiss, SiteReport
-from .sites import MATCHERS, Match, Miss
+from .sites import DEFAULT_SITES, MATCHERS, Match, Miss
 
 __all__ = ["align", "find_sites", "ROUNDING_TAG", "is_site_rounding"]
 
@@ -66,8 +66,9 @@ def find_sites(graph: Graph, selected: Iterable[str]) -> tuple[list[Match], list
                 misses.append(result)
                 continue
             if result.kind not in selected:
-                unselected.setdefault(anchor, result)
-                continue
+                if result.kind in DEFAULT_SITES:  # deselected: reported as skipped
+                    unselected.setdefault(anchor, result)
+                continue  # an opt-in site (logits) not asked for is not a skipped site
             overlap = next((claimed_nodes[n] for n in result.nodes if n in claimed_nodes), None)
             if overlap is not None:
                 skipped.append((result, f"overlaps the {overlap.kind} site at {overlap.anchor.name}"))
@@ -80,7 +81,8 @@ def find_sites(graph: Graph, selected: Iterable[str]) -> tuple[list[Match], list
             continue  # e.g. a residual norm aligned as a plain rmsnorm
         skipped.append((match, f"{match.kind!r} is not in options.sites"))
     # A near miss whose anchor was matched by another kind's matcher is not a miss.
-    misses = [m for m in misses if m.anchor not in claimed_anchors and m.anchor not in unselected]
+    misses = [m for m in misses if m.anchor not in claimed_anchors and m.anchor not in unselected
+              and (m.kind in selected or m.kind in DEFAULT_SITES)]  # an opt-in site's misses only when asked for
     return matches, skipped, misses
 
 
