@@ -11,7 +11,7 @@ report = mismatch.measure(
     trainer="hf-aot_eager:train",  # the trainer's forward with eager kernels: fast to compile
     inference="hf-inductor",        # an inference stack with different (fused) kernels
     rows=[("rla off", None, None), ("rope only, both sides", ("rope",), ("rope",)),
-          ("rla on both", tuple(mismatch.SITE_KINDS), tuple(mismatch.SITE_KINDS))],
+          ("rla on both", tuple(mismatch.DEFAULT_SITES), tuple(mismatch.DEFAULT_SITES))],
     prompts=2, prompt_tokens=16, new_tokens=16, say=print,
 )
 print(report.table())

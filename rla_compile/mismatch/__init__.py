@@ -29,7 +29,7 @@ from .metrics import Metrics, compare_logprobs
 from .report import MismatchReport, Row, change_interval
 from .stacks import Stack, has_vllm, score
 
-__all__ = ["Localisation", "Metrics", "MismatchReport", "Row", "SITE_KINDS", "Stack", "change_interval", "compare_logprobs",
+__all__ = ["DEFAULT_SITES", "Localisation", "Metrics", "MismatchReport", "Row", "SITE_KINDS", "Stack", "change_interval", "compare_logprobs",
            "configurations", "default_stacks", "localise", "measure", "sample", "timed"]
 
 

@@ -22,7 +22,8 @@ LEGEND = (
     "bitwise= = tokens with identical fp32 logprobs.\n"
     "Stacks are engine-compiler[+rla[sites]][:dtype][:train]: hf-inductor:train = HF's training forward under "
     "torch.compile (Inductor), hf-aot_eager = HF with eager kernels, vllm-inductor = vLLM's compiled path; +rla = "
-    "rla aligns the sites (rmsnorm, residual_rmsnorm, swiglu, rope)."
+    "rla aligns the four default sites (rmsnorm, residual_rmsnorm, swiglu, rope); +rla[...] names them, logits "
+    "included (the LM head in fp32: vLLM's head_dtype=float32 on the inference side)."
 )
 BASELINE = "rla off"
 
