@@ -173,11 +173,17 @@ def test_mismatch_tool_against_vllm(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "m.json").read_text())["results"]
     rows = {r["label"]: r for r in report["rows"]}
-    assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both"]
+    assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits",
+                          "fp32 trainer, engine stock"]
     assert rows["rla on both"]["inference"] == "vllm-inductor+rla" and rows["rla off"]["trainer"] == "hf-inductor:train"
+    assert rows["fp32 trainer, engine stock"]["trainer"] == "hf-inductor:float32:train"
     # the same sites, rewritten, on both sides of the same weights
     assert report["sites"]["vllm-inductor+rla"] == report["sites"]["hf-inductor+rla:train"]
-    assert set(report["sites"]["vllm-inductor+rla"]) == set(rla_compile.SITE_KINDS)
+    assert set(report["sites"]["vllm-inductor+rla"]) == set(rla_compile.DEFAULT_SITES)
+    # the logits site: a graph rewrite in the trainer; in vLLM, head_dtype (outside its graph)
+    logits = "rla[rmsnorm,residual_rmsnorm,swiglu,rope,logits]"
+    assert report["sites"][f"hf-inductor+{logits}:train"]["logits"] == 1
+    assert "logits" not in report["sites"][f"vllm-inductor+{logits}"]
     for row in rows.values():
         m = row["metrics"]
         assert m["tokens"] == 16 and 0 < m["mean_abs_dlogprob"] <= m["max_abs_dlogprob"] < 1 and m["k3"] >= 0
