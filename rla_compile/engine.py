@@ -17,8 +17,9 @@ Every site, whatever its kind, is rewritten the same way (contract.md):
    an fp32 upcast of them disappears, and a graph output of them becomes fp32.
 
 The rewrite keeps the dtypes the rest of the graph sees, so nothing outside the sites changes
-(except cos/sin chains that only fed sites, and the logits when that site is selected). It runs on pre-dispatch ATen (the `rla`
-backend, before autograd) and on Inductor's post-grad ATen (vLLM) alike.
+(except cos/sin chains that only fed sites, and the logits when that site is selected). It
+runs on pre-dispatch ATen (the `rla` backend, before autograd) and on Inductor's post-grad
+ATen (vLLM) alike.
 """
 
 from __future__ import annotations
