@@ -4,7 +4,8 @@
 
 Run time (inference and training step, small and medium, aligned vs unaligned, pinned and
 not), peak CUDA memory of the training step and saved-for-backward bytes, and compile time
-with rla's share for 1-16 layers. Each section prints as it goes; a failed section is
+with rla's share for 1-16 layers, and the real-shape comparison (`real_shape.py`, with and
+without the logits site, peak CUDA memory too). Each section prints as it goes; a failed section is
 recorded with its error instead of losing the others.
 """
 
@@ -20,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import compile_time  # noqa: E402
 import memory  # noqa: E402
+import real_shape  # noqa: E402
 import runtime  # noqa: E402
 from common import RESULTS, SIZES, VARIANTS, machine  # noqa: E402
 
@@ -28,7 +30,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA device; on CPU run runtime.py, memory.py, compile_time.py", file=sys.stderr)
         return 2
-    out = {"machine": machine("cuda"), "runtime": [], "memory": [], "compile_time": [], "errors": []}
+    out = {"machine": machine("cuda"), "runtime": [], "memory": [], "compile_time": [], "real_shape": [], "errors": []}
 
     def section(name, fn):
         try:
@@ -46,6 +48,7 @@ def main() -> int:
                                    "saved_bytes": {n: memory.saved_bytes(size, m(), "cuda") for n, m in VARIANTS.items()}})
     for layers in (1, 2, 4, 8, 16):
         section("compile_time", lambda: compile_time.measure(layers, "cuda"))
+    section("real_shape", lambda: real_shape.measure(real_shape.main_args([]), "cuda"))  # Qwen3-0.6B's shape
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gpu.json").write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {RESULTS / 'gpu.json'}")

@@ -56,8 +56,17 @@ def measure(size: str, mode: str, reps: int, warmup: int = 2, device: str = "cpu
             _sync(device)
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
-    return {"size": size, "mode": mode, "reps": reps, "median_s": medians,
-            "ratio_vs_inductor": {name: medians[name] / medians["inductor"] for name in medians}}
+    # The spread: the ratio within each round (neighbouring repetitions see the same load),
+    # its quartiles over the rounds.
+    rounds = {name: sorted(a / b for a, b in zip(t, times["inductor"])) for name, t in times.items()}
+    spread = {name: [_quantile(r, 0.25), _quantile(r, 0.75)] for name, r in rounds.items()}
+    return {"size": size, "mode": mode, "reps": reps, "median_s": medians, "times_s": times,
+            "ratio_vs_inductor": {name: medians[name] / medians["inductor"] for name in medians},
+            "round_ratio_quartiles": spread}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=4, method="inclusive")[int(q * 4) - 1] if len(values) > 1 else values[0]
 
 
 def main(argv=None) -> list[dict]:
@@ -68,14 +77,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     results = []
-    print(f"{'size':<8}{'mode':<11}" + "".join(f"{n + ' ms':>16}" for n in VARIANTS) + f"{'rla/ind':>10}{'pinned/ind':>12}")
+    print(f"{'size':<8}{'mode':<11}" + "".join(f"{n + ' ms':>16}" for n in VARIANTS) + f"{'rla/ind':>10}{'pinned/ind':>12}"
+          + f"{'rla/ind per round (IQR)':>26}")
     for size in args.sizes:
         for mode in args.modes:
             r = measure(size, mode, args.reps)
             results.append(r)
             ms = "".join(f"{r['median_s'][n] * 1e3:>16.2f}" for n in VARIANTS)
             ratio = r["ratio_vs_inductor"]
-            print(f"{size:<8}{mode:<11}{ms}{ratio['rla']:>10.3f}{ratio['rla pinned']:>12.3f}", flush=True)
+            iqr = r["round_ratio_quartiles"]["rla"]
+            print(f"{size:<8}{mode:<11}{ms}{ratio['rla']:>10.3f}{ratio['rla pinned']:>12.3f}"
+                  f"{f'{iqr[0]:.3f}-{iqr[1]:.3f}':>26}", flush=True)
     write(args.json, results)
     return results
 

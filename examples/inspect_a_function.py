@@ -13,7 +13,7 @@ def llama_rmsnorm(x, w, eps=1e-6):  # HF Llama: rounds x_norm to bf16, then a bf
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-result = rla_compile.inspect(llama_rmsnorm, torch.randn(2, 8, 64).bfloat16(), torch.ones(64).bfloat16())
+result = rla_compile.align_function(llama_rmsnorm, torch.randn(2, 8, 64).bfloat16(), torch.ones(64).bfloat16())
 print(result.report)
 print("\n--- before ---\n" + result.before)
 print("\n--- after ---\n" + result.after)

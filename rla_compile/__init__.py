@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .backend import Backend, backend, inspect, rla_backend  # noqa: E402
+from .backend import Backend, align_function, backend, dynamo_backend, inspect, rla_backend  # noqa: E402
 from .debug import Rewrite  # noqa: E402
 from .config import OptionError, Options  # noqa: E402
 from .engine import align  # noqa: E402
@@ -29,7 +29,9 @@ __all__ = [
     "SiteReport",
     "align",
     "backend",
+    "align_function",
     "inspect",
+    "dynamo_backend",
     "rla_backend",
     "__version__",
 ]

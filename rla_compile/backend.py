@@ -9,7 +9,8 @@ backward derived from the old forward (contract.md). So the backend re-traces Dy
 to pre-dispatch ATen (normalised ops, no autograd yet), aligns it, and gives the result to
 `compile_fx` (or AOTAutograd with eager kernels), which derives the backward from the fp32
 forward. Inductor's caches key on the rewritten graph, and on the uuid of the pass that pins
-the site roundings, which covers rla's code and options.
+the site roundings, which covers rla's code and options. Tensor-parallel graphs (DTensor
+inputs) are re-traced the same way, their DTensor conversions kept as opaque nodes (dtensor.py).
 """
 
 from __future__ import annotations
@@ -25,19 +26,19 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import checkpoint, fx
+from . import checkpoint, ops
 from .config import Options
 from .engine import align, is_site_rounding
-from .debug import Rewrite, dump, python_source, trace_artifacts, tracing
-from .printer import format_graph
+from .debug import Rewrite, record, snapshot, wants_graphs
+from .dtensor import SubclassAwareInterpreter
 from .report import GraphReport
 
-__all__ = ["Backend", "backend", "inspect", "rla_backend", "PinSiteRounding", "eager_math_nodes", "pin_eager_math"]
+__all__ = ["Backend", "backend", "align_function", "inspect", "dynamo_backend", "rla_backend", "KeepSiteRounding", "eager_math_nodes", "pin_eager_math"]
 
 log = logging.getLogger(__name__)
 
 
-class PinSiteRounding(CustomGraphPass):
+class KeepSiteRounding(CustomGraphPass):
     """Post-grad pass: keep every site's output rounding through Inductor's fusion and, with
     `pin_rounding`, round the same fp32 value as eager kernels do.
 
@@ -54,13 +55,13 @@ class PinSiteRounding(CustomGraphPass):
         self._uuid = options.uuid()  # covers pin_rounding; Inductor's own key covers emulate_precision_casts
 
     def __call__(self, graph: Graph) -> None:
-        pin_site_roundings(graph)
+        keep_site_roundings(graph)
 
     def uuid(self) -> str:
         return self._uuid
 
 
-def pin_site_roundings(graph: Graph) -> None:
+def keep_site_roundings(graph: Graph) -> None:
     """What both compiled paths (this backend, vLLM's pass) do to a post-grad graph so that
     Inductor computes the contract: every site rounding carries the rounding barrier; unpinned,
     upcasts of a rounded site output run on ATen (`_upcasts_of`); pinned, the fp32 math a site
@@ -68,12 +69,16 @@ def pin_site_roundings(graph: Graph) -> None:
     from torch._inductor import config as inductor_config
 
     pinned = inductor_config.emulate_precision_casts  # pin_rounding, or the user's own setting
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
         if is_site_rounding(node):
             node.meta["low_precision_pointwise_barrier"] = True
             if not pinned:
                 for upcast in _upcasts_of(node):
-                    upcast.meta["should_fallback"] = True
+                    if _kernel_apart(node, upcast, position):
+                        node.meta["inductor_realize_to_strides"] = True  # stored once, in bf16
+                    else:
+                        upcast.meta["should_fallback"] = True
     if pinned:
         pin_eager_math(graph)
 
@@ -88,11 +93,59 @@ def _upcasts_of(rounding) -> list:
     found, stack = [], list(rounding.users)
     while stack:
         user = stack.pop()
-        if fx.moves_data(user):
+        if ops.moves_data(user):
             stack.extend(user.users)
-        elif fx.widens(user):
+        elif ops.widens(user):
             found.append(user)
     return found
+
+
+# Ops Inductor runs as kernels of their own (extern GEMMs and attention on CPU; on CUDA a GEMM
+# template may fuse an epilogue, never a prologue holding another kernel's store).
+_KERNEL_BOUNDARIES = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm", "convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+})
+
+
+def _kernel_apart(rounding, upcast, position: dict) -> bool:
+    """Whether `upcast` of a site's rounded output can stay in Inductor's generated code
+    instead of running on ATen (which writes an fp32 copy of the tensor: the residual stream
+    entering the next residual site, once per layer), provided the rounding is stored.
+
+    True when the upcast's one reader (the upcast is then inlined into the reader's kernel)
+    also depends on a kernel boundary (a GEMM, attention) that depends on the value the
+    rounding rounds: the reader's kernel runs after that boundary. The caller then makes
+    Inductor store the rounding (`inductor_realize_to_strides`, read in `GraphLowering.run_node`)
+    in the kernel that computes it, before the boundary: the reader's kernel loads the bf16
+    values, which the cache trick cannot bypass (it only serves a store in the same kernel).
+    Left unstored, Inductor would inline the rounding into the reader's kernel and the trick
+    would drop it. The residual stream: the next residual add also reads the block output, a
+    GEMM of the normalised stream. Walks only the nodes between the two: linear in depth."""
+    if len(upcast.users) != 1:
+        return False
+    (reader,) = upcast.users
+    source, end = rounding.args[0], position[reader]
+    downstream, stack = set(), [source]
+    while stack:  # what depends on the rounded value, up to the reader
+        for user in stack.pop().users:
+            if user not in downstream and position.get(user, end) < end:
+                downstream.add(user)
+                stack.append(user)
+    boundaries = {n for n in downstream if ops.op_name(n) in _KERNEL_BOUNDARIES}
+    if not boundaries:
+        return False
+    seen, stack = set(), [n for n in reader.all_input_nodes if n is not upcast]
+    while stack:  # what the reader depends on, back to the rounded value
+        node = stack.pop()
+        if node in boundaries:
+            return True
+        if node in seen or position.get(node, -1) <= position[source]:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 # Pointwise ops whose fp32 result IEEE arithmetic fixes (exact, or one correctly rounded
@@ -123,7 +176,7 @@ def eager_math_nodes(graph: Graph) -> list:
     running a piece on ATen would not reproduce the eager kernel.
     """
     found: set = set()
-    stack = [n for n in graph.nodes if is_site_rounding(n) and fx.is_low_precision(n)]
+    stack = [n for n in graph.nodes if is_site_rounding(n) and ops.is_low_precision(n)]
     seen = set(stack)
     while stack:
         for value in stack.pop().all_input_nodes:
@@ -147,18 +200,18 @@ def _wide_float(node) -> bool:
     """fp32/fp64 tensors (or tuples of them: var_mean): the values a site's fp32 math reads."""
     val = node.meta.get("val")
     tensors = [v for v in (val if isinstance(val, (list, tuple)) else (val,)) if isinstance(v, torch.Tensor)]
-    return bool(tensors) and all(t.dtype.is_floating_point and t.dtype not in fx.LOW_PRECISION for t in tensors)
+    return bool(tensors) and all(t.dtype.is_floating_point and t.dtype not in ops.LOW_PRECISION for t in tensors)
 
 
 def _differs_from_eager(node) -> bool:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or str(node.meta.get("original_aten")) != str(target):
         return False  # not an eager op itself (compared by name: the meta may hold a copy)
-    name = fx.op_name(node)
+    name = ops.op_name(node)
     if torch.Tag.reduction in target.tags:
         return name not in _ORDER_FREE_REDUCTIONS
     if name == "pow":  # x ** 2 is x * x in both; other exponents go through pow's own code
-        return fx.constant(node.args[1] if len(node.args) > 1 else None) not in (1.0, 2.0)
+        return ops.constant(node.args[1] if len(node.args) > 1 else None) not in (1.0, 2.0)
     return torch.Tag.pointwise in target.tags and name not in _EXACT_POINTWISE
 
 
@@ -171,7 +224,7 @@ def _pre_dispatch(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule
     fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
     def run(*args):
-        return torch.fx.Interpreter(gm).run(*args)
+        return SubclassAwareInterpreter(gm).run(*args)
 
     with fake_mode, fx_traceback.preserve_node_meta(), checkpoint.vanilla_context_fn(gm):
         aten_gm = make_fx(run, tracing_mode="real", pre_dispatch=True, decomposition_table=_opaque_sites())(*fake)
@@ -196,8 +249,15 @@ def _opaque_sites() -> dict:
     from torch._decomp import core_aten_decompositions, decomposition_table
 
     table = {**core_aten_decompositions(), **decomposition_table}
-    ops = (torch.ops.aten.rms_norm.default, torch.ops.aten._fused_rms_norm.default)
-    return {op: table[op] for op in ops if op in table}
+    hidden = (torch.ops.aten.rms_norm.default, torch.ops.aten._fused_rms_norm.default)
+    return {op: table[op] for op in hidden if op in table}
+
+
+def _rank() -> int | None:
+    """This process's rank when torch.distributed is initialised (reports are per rank)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return None
 
 
 def _graph_name() -> str:
@@ -221,38 +281,42 @@ class Backend:
         return f"rla_compile.Backend({self.options})"
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
-        subclass = _subclass_input(example_inputs)
-        if subclass is not None:
-            return self._compile_unaligned(gm, example_inputs, kwargs.get("mode"), subclass)
         start = time.perf_counter()
-        aten_gm = _pre_dispatch(gm, example_inputs)
+        try:
+            aten_gm = _pre_dispatch(gm, example_inputs)
+        except Exception as error:
+            subclass = _subclass_input(example_inputs)
+            if subclass is None:
+                raise
+            return self._compile_unaligned(gm, example_inputs, kwargs.get("mode"), subclass, error)
         retraced = time.perf_counter()
-        keep = self.keep_graphs or self.options.debug_dir is not None or tracing()
-        before = (format_graph(aten_gm), python_source(aten_gm)) if keep else None
+        keep = self.keep_graphs or wants_graphs(self.options.debug_dir)
+        before = snapshot(aten_gm) if keep else None
         report = _align(aten_gm, self.options)
         report.seconds = {"retrace": retraced - start, "rewrite": time.perf_counter() - retraced}
+        report.rank = _rank()
         self.reports.append(report)
         log.info("%s", report.summary())
         if before is not None:
-            rewrite = Rewrite(report, before[0], format_graph(aten_gm), before[1], python_source(aten_gm))
+            rewrite = record(report, before, aten_gm, self.options.debug_dir)
             if self.keep_graphs:
                 self.rewrites.append(rewrite)
-            if self.options.debug_dir is not None:
-                dump(self.options.debug_dir, rewrite)
-            trace_artifacts(rewrite)
         return self._compile(aten_gm, example_inputs, kwargs.get("mode"))
 
     def _compile_unaligned(
-        self, gm: GraphModule, example_inputs: Sequence[Any], mode: str | None, subclass: str
+        self, gm: GraphModule, example_inputs: Sequence[Any], mode: str | None, subclass: str, error: Exception
     ) -> Callable:
-        """Tensor-parallel graphs take DTensor parameters, which the pre-dispatch re-trace cannot
-        run (make_fx: "Unable to cast NotImplemented to Tensor"). Compile them as written and
-        say so in the report rather than fail the training step."""
+        """A graph with tensor-subclass inputs (DTensor) is re-traced through its DTensor
+        conversions (dtensor.py). Where that still fails (a subclass or a call rla does not
+        know), compile the graph as written and say exactly why in the report rather than
+        fail the training step."""
+        message = str(error).strip().splitlines()
+        reason = type(error).__name__ + (f": {message[0]}" if message else "")
         note = (
-            f"not aligned: graph inputs are tensor subclasses ({subclass}, e.g. tensor-parallel "
-            "parameters) that rla's pre-dispatch re-trace does not support; compiled as written"
+            f"not aligned: graph inputs are tensor subclasses ({subclass}) and rla's pre-dispatch "
+            f"re-trace failed ({reason}); compiled as written"
         )
-        report = GraphReport(_graph_name(), note=note)
+        report = GraphReport(_graph_name(), note=note, rank=_rank())
         self.reports.append(report)
         log.warning("%s", report.summary())
         return self._compile(gm, example_inputs, mode)
@@ -269,7 +333,7 @@ class Backend:
         patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
         patches.update(self.options.inductor_settings())
         user_pass = patches.get("post_grad_custom_post_pass")
-        pin = PinSiteRounding(self.options)
+        pin = KeepSiteRounding(self.options)
         patches["post_grad_custom_post_pass"] = pin if user_pass is None else [*_as_list(user_pass), pin]
         return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -300,7 +364,7 @@ def backend(options: Options | dict | None = None, **kwargs: Any) -> Backend:
     return Backend(Options.from_dict({**(options or {}), **kwargs}))
 
 
-def inspect(fn: Callable, *example_inputs: Any, **options: Any) -> Rewrite:
+def align_function(fn: Callable, *example_inputs: Any, **options: Any) -> Rewrite:
     """Trace `fn` (a function or module) on the inputs, align it, and return the first graph's
     report with its text before and after. Runs the rewritten graph once on eager kernels."""
     options.setdefault("inner", "aot_eager")
@@ -315,7 +379,7 @@ def inspect(fn: Callable, *example_inputs: Any, **options: Any) -> Rewrite:
     return be.rewrites[0]
 
 
-def rla_backend(gm: GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None) -> Callable:
+def dynamo_backend(gm: GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict | None = None) -> Callable:
     """The function registered as `backend="rla"` (entry point `torch_dynamo_backends`).
 
     Reports go to the `rla_compile` logger (`TORCH_LOGS=+rla_compile`); use
@@ -323,3 +387,9 @@ def rla_backend(gm: GraphModule, example_inputs: Sequence[Any], *, mode: str | N
     """
     be = Backend(Options.from_dict(options))
     return be(gm, example_inputs, mode=mode)
+
+
+# Earlier names, kept working: `inspect` (it shadowed the standard module on import) and the
+# entry point's `rla_backend` (installed package metadata may still name it).
+inspect = align_function
+rla_backend = dynamo_backend

@@ -16,21 +16,16 @@ __all__ = ["main"]
 
 
 def _load(model_dir: str | None, model_type: str):
-    import torch
-
+    """The model in `model_dir` (bf16, as `bundled.load` loads any), or the embedded tiny one."""
     if model_dir is None:
         from .tiny import tiny_causal_lm
 
         return tiny_causal_lm(model_type)
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"rla-compile inspect: {model_dir} is not a model directory (no config.json); "
-                         "pass a directory written by save_pretrained, or no path for the embedded tiny model")
-    from transformers import AutoModelForCausalLM
+    import torch
 
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, attn_implementation="eager", local_files_only=True
-    )
+    from .bundled import load
+
+    return load(torch.bfloat16, model_dir)
 
 
 def inspect_model(model_dir: str | None, model_type: str, out: str, tokens: int, train: bool, sites: str | None) -> int:
@@ -70,6 +65,7 @@ def check_outputs(args) -> None:
 
 def run_mismatch(args) -> int:
     from . import mismatch
+    from .progress import timed
 
     check_outputs(args)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731  progress apart from results
@@ -79,7 +75,7 @@ def run_mismatch(args) -> int:
         model_dir = args.model_dir or bundled.MODEL_DIR
         sequences = mismatch.sample(Path(model_dir), bundled.prompts(args.prompts, args.prompt_tokens), args.new_tokens,
                                     args.seed)
-        with mismatch.timed(say, f"running {args.localise[0]} and {args.localise[1]}, recording every point, then each unrecorded"):
+        with timed(say, f"running {args.localise[0]} and {args.localise[1]}, recording every point, then each unrecorded"):
             result = mismatch.localise(*(mismatch.Stack.parse(a) for a in args.localise), sequences, model_dir)
         print(result.table())
         if args.json:

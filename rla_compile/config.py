@@ -6,12 +6,12 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .sites import DEFAULT_SITES, SITE_KINDS
+from .sites import DEFAULT_SITES, check_site_names
 
 __all__ = ["Options", "OptionError", "INNER_BACKENDS"]
 
@@ -48,26 +48,7 @@ class Options:
     inductor: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        sites = self.sites
-        if isinstance(sites, str):
-            sites = [s.strip() for s in sites.split(",") if s.strip()]
-        if not isinstance(sites, Iterable):
-            raise OptionError(f"sites must be a list of site names; valid: {', '.join(SITE_KINDS)}")
-        sites = list(sites)
-        not_names = [s for s in sites if not isinstance(s, str)]
-        if not_names:
-            raise OptionError(
-                f"option 'sites' takes site names (strings), got {', '.join(map(repr, not_names))}; "
-                f"valid: {', '.join(SITE_KINDS)}"
-            )
-        sites = frozenset(sites)
-        unknown = sorted(sites - set(SITE_KINDS))
-        if unknown:
-            raise OptionError(
-                f"unknown site(s) {', '.join(map(repr, unknown))} in option 'sites'; "
-                f"valid: {', '.join(SITE_KINDS)}"
-            )
-        object.__setattr__(self, "sites", sites)
+        object.__setattr__(self, "sites", check_site_names(self.sites, "option 'sites'", OptionError))
         if self.inner not in INNER_BACKENDS:
             raise OptionError(
                 f"unknown inner backend {self.inner!r} in option 'inner'; valid: {', '.join(INNER_BACKENDS)}"

@@ -12,6 +12,13 @@
 
 The same report and graphs go to `TORCH_TRACE` (tlparse) as artifacts `rla_report`,
 `rla_graph_before` and `rla_graph_after`; `TORCH_LOGS=+rla_compile` shows the summary lines.
+
+Both compiled paths (the backend, vLLM's pass) do the same around `align`:
+
+    before = snapshot(gm) if wants_graphs(options.debug_dir) else None
+    report = align(gm, options, ...)
+    if before is not None:
+        record(report, before, gm, options.debug_dir)   # dump + TORCH_TRACE; returns the Rewrite
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from pathlib import Path
 
 from torch.fx import GraphModule
 
+from .printer import format_graph
 from .report import GraphReport
 
-__all__ = ["Rewrite", "dump", "python_source", "trace_artifacts", "tracing"]
+__all__ = ["Rewrite", "Snapshot", "dump", "python_source", "record", "snapshot", "trace_artifacts", "tracing",
+           "wants_graphs"]
 
 
 @dataclass(frozen=True)
@@ -40,8 +49,35 @@ class Rewrite:
     after_py: str
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A graph's text at one moment: rla's stable form and torch's Python form."""
+
+    text: str
+    python: str
+
+
 def python_source(gm: GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
+
+
+def snapshot(gm: GraphModule) -> Snapshot:
+    return Snapshot(format_graph(gm), python_source(gm))
+
+
+def wants_graphs(debug_dir: Path | None) -> bool:
+    """Whether anything will read the graphs' text: a dump directory, or TORCH_TRACE."""
+    return debug_dir is not None or tracing()
+
+
+def record(report: GraphReport, before: Snapshot, gm: GraphModule, debug_dir: Path | None) -> Rewrite:
+    """`gm`'s rewrite since `before`: dumped under `debug_dir` (when set) and sent to TORCH_TRACE."""
+    after = snapshot(gm)
+    rewrite = Rewrite(report, before.text, after.text, before.python, after.python)
+    if debug_dir is not None:
+        dump(debug_dir, rewrite)
+    trace_artifacts(rewrite)
+    return rewrite
 
 
 def _folder(directory: Path, graph: str) -> Path:

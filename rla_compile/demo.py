@@ -14,8 +14,9 @@ from collections.abc import Callable
 import torch
 
 from . import bundled
-from .backend import backend as rla_backend
-from .mismatch import MismatchReport, measure, timed
+from .backend import backend
+from .mismatch import MismatchReport, measure
+from .progress import timed
 
 __all__ = ["run_demo"]
 
@@ -23,7 +24,7 @@ __all__ = ["run_demo"]
 def run_demo(inference: str | None = None, say: Callable[[str], None] = print, **sizes) -> MismatchReport:
     with timed(say, f"loading the shipped model ({bundled.MODEL_DIR.name}, bf16) and compiling it with backend='rla'"):
         model = bundled.load(torch.bfloat16)
-        found = rla_backend(inner="aot_eager")
+        found = backend(inner="aot_eager")
         torch._dynamo.reset()
         with torch.no_grad():
             torch.compile(model, backend=found)(torch.tensor(bundled.prompts(1, 16)), use_cache=False)

@@ -25,16 +25,17 @@ ATen (vLLM) alike.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from . import fx
+from . import ops
 from .config import Options
 from .report import GraphReport, NearMiss, SiteReport
 from .sites import DEFAULT_SITES, MATCHERS, Match, Miss
 
-__all__ = ["align", "find_sites", "ROUNDING_TAG", "is_site_rounding"]
+__all__ = ["align", "find_sites", "mark_recompute", "ROUNDING_TAG", "is_site_rounding"]
 
 ROUNDING_TAG = "rla_round"  # node.meta["custom"][ROUNDING_TAG] = site kind, on every output rounding
 
@@ -50,54 +51,63 @@ def find_sites(graph: Graph, selected: Iterable[str]) -> tuple[list[Match], list
     is not looked at again; one whose nodes overlap an earlier site is skipped with a reason.
     """
     selected = set(selected)
-    claimed_anchors: dict[Node, Match] = {}
-    claimed_nodes: dict[Node, Match] = {}
-    matches: list[Match] = []
-    unselected: dict[Node, Match] = {}
-    skipped: list[tuple[Match, str]] = []
-    misses: list[Miss] = []
+    found = _Found()
     for matcher in MATCHERS:
         for anchor in list(matcher.candidates(graph)):
-            if anchor in claimed_anchors:
-                continue
-            result = matcher.match(anchor)
-            if result is None:
-                continue
-            if isinstance(result, Miss):
-                misses.append(result)
-                continue
-            if result.kind not in selected:
-                if result.kind in DEFAULT_SITES:  # deselected: reported as skipped
-                    unselected.setdefault(anchor, result)
-                continue  # an opt-in site (logits) not asked for is not a skipped site
-            overlap = next((claimed_nodes[n] for n in result.nodes if n in claimed_nodes), None)
-            if overlap is not None:
-                skipped.append((result, f"overlaps the {overlap.kind} site at {overlap.anchor.name}"))
-                continue
-            claimed_anchors[anchor] = result
-            claimed_nodes.update(dict.fromkeys(result.nodes, result))
-            matches.append(result)
-    for anchor, match in unselected.items():
-        if anchor in claimed_anchors:
-            continue  # e.g. a residual norm aligned as a plain rmsnorm
-        skipped.append((match, f"{match.kind!r} is not in options.sites"))
-    # A near miss whose anchor was matched by another kind's matcher is not a miss.
-    misses = [m for m in misses if m.anchor not in claimed_anchors and m.anchor not in unselected
-              and (m.kind in selected or m.kind in DEFAULT_SITES)]  # an opt-in site's misses only when asked for
-    return matches, skipped, misses
+            if anchor not in found.sites:
+                found.add(anchor, matcher.match(anchor), selected)
+    return list(found.sites.values()), found.skipped(), found.misses(selected)
+
+
+class _Found:
+    """The matchers' results so far: the sites claimed (by anchor, and by node for overlaps),
+    those skipped, and the near misses."""
+
+    def __init__(self) -> None:
+        self.sites: dict[Node, Match] = {}  # anchor -> a site to align
+        self.owner: dict[Node, Match] = {}  # region node -> the site it belongs to
+        self.overlapping: list[tuple[Match, str]] = []
+        self.unselected: dict[Node, Match] = {}  # anchor -> a default site not in options.sites
+        self.missed: list[Miss] = []
+
+    def add(self, anchor: Node, result: Match | Miss | None, selected: set[str]) -> None:
+        if result is None:
+            return
+        if isinstance(result, Miss):
+            self.missed.append(result)
+        elif result.kind not in selected:
+            if result.kind in DEFAULT_SITES:  # deselected: reported as skipped
+                self.unselected.setdefault(anchor, result)
+            # an opt-in site (logits) not asked for is not a skipped site
+        elif (other := next((self.owner[n] for n in result.nodes if n in self.owner), None)) is not None:
+            self.overlapping.append((result, f"overlaps the {other.kind} site at {other.anchor.name}"))
+        else:
+            self.sites[anchor] = result
+            self.owner.update(dict.fromkeys(result.nodes, result))
+
+    def skipped(self) -> list[tuple[Match, str]]:
+        deselected = [(m, f"{m.kind!r} is not in options.sites") for anchor, m in self.unselected.items()
+                      if anchor not in self.sites]  # else e.g. a residual norm aligned as a plain rmsnorm
+        return self.overlapping + deselected
+
+    def misses(self, selected: set[str]) -> list[Miss]:
+        """A near miss whose anchor was matched by another kind's matcher is not a miss; an
+        opt-in site's misses count only when it is asked for."""
+        return [m for m in self.missed if m.anchor not in self.sites and m.anchor not in self.unselected
+                and (m.kind in selected or m.kind in DEFAULT_SITES)]
 
 
 def _site_dtype(match: Match) -> torch.dtype:
-    dtypes = [fx.dtype_of(n) for n in match.nodes]
-    dtypes += [fx.dtype_of(p) for n in match.nodes for p in n.all_input_nodes]
+    dtypes = [ops.dtype_of(n) for n in match.nodes]
+    dtypes += [ops.dtype_of(p) for n in match.nodes for p in n.all_input_nodes]
     floating = (d for d in dtypes if d is not None and d.is_floating_point)
-    return next((d for d in dtypes if d in fx.LOW_PRECISION), next(floating, torch.float32))
+    return next((d for d in dtypes if d in ops.LOW_PRECISION), next(floating, torch.float32))
 
 
 def _mixed_note(match: Match) -> str:
     """A site whose inputs mix bf16 and fp16 is aligned like any other; say what that means."""
     inputs = {p for n in match.nodes for p in n.all_input_nodes if p not in match.nodes}
-    if len({fx.dtype_of(p) for p in inputs} & set(fx.LOW_PRECISION)) < 2:
+    if len({ops.dtype_of(p) for p in inputs} & set(ops.LOW_PRECISION)) < 2:
         return ""
     return "mixed bfloat16 and float16 inputs: each upcast; outputs keep their dtype (promoted ones are not rounded)"
 
@@ -109,7 +119,6 @@ class _Rewriter:
         self.graph = graph
         self.post_grad = post_grad  # Inductor's post-grad IR: casts are prims.convert_element_type
         self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
-        self._input_casts_end: Node | None = None  # last upcast of a graph input
         self._fp32_only: dict[Node, bool] = {}
 
     # -- inputs -------------------------------------------------------------------------
@@ -118,9 +127,9 @@ class _Rewriter:
         the sites) if that rounding only feeds sites, through views, gathers, splits and the
         sites' own upcasts of it (`cos.float()` inside a site)."""
         chain = value
-        while fx.moves_data(chain):
+        while ops.moves_data(chain):
             chain = chain.args[0]
-        if not fx.is_cast(chain) or fx.dtype_of(chain.args[0]) != torch.float32:
+        if not ops.is_cast(chain) or ops.dtype_of(chain.args[0]) != torch.float32:
             return None
         if is_site_rounding(chain) or chain.args[0] in self.site_nodes:
             return None  # a site's own output rounding (e.g. the residual stream's) stays
@@ -132,7 +141,7 @@ class _Rewriter:
             user, source = frontier.pop()
             if user in self.site_nodes or user in moved:
                 continue
-            if not ((fx.moves_data(user) or fx.widens(user)) and user.args[0] is source):
+            if not ((ops.moves_data(user) or ops.widens(user)) and user.args[0] is source):
                 return None
             moved.add(user)
             frontier.extend((u, user) for u in user.users)
@@ -148,7 +157,7 @@ class _Rewriter:
                 if current in seen:
                     continue
                 seen.add(current)
-                if fx.is_low_precision(current) or self._fp32_only.get(current) is False:
+                if ops.is_low_precision(current) or self._fp32_only.get(current) is False:
                     result = False
                 stack.extend(current.all_input_nodes)
             self._fp32_only[node] = result
@@ -157,7 +166,7 @@ class _Rewriter:
     def rounded_upcast(self, value: Node) -> tuple[Node, set[Node]] | None:
         """The bypass for a site input that is an upcast of a rounding the bypass rule covers
         (`cos32.to(bf16)` outside, `cos.float()` inside the site)."""
-        if fx.widens(value) and fx.is_low_precision(value.args[0]):
+        if ops.widens(value) and ops.is_low_precision(value.args[0]):
             return self.bypassable(value.args[0])
         return None
 
@@ -168,8 +177,12 @@ class _Rewriter:
         for node in moved:
             _set_dtype(node, torch.float32)
 
-    def to_fp32(self, value: Node, upcasts: dict[Node, Node]) -> Node:
-        """The fp32 version of `value` for one site (`upcasts`: that site's upcasts so far)."""
+    def to_fp32(self, value: Node, upcasts: dict[Node, Node], reader: Node) -> Node:
+        """The fp32 version of `value` for one site (`upcasts`: that site's upcasts so far),
+        placed just before `reader`, its first reader in the site: the value's other users keep
+        their order, so a bf16 value's gradients still accumulate in the order they did (a
+        post-norm block's residual stream feeds its MLP before the residual add; a graph input
+        read by a projection before the site)."""
         if value in upcasts:
             return upcasts[value]
         bypass = self.bypassable(value)
@@ -177,13 +190,8 @@ class _Rewriter:
             self._bypass(*bypass)
             result = value
         else:
-            after = value
-            if value.op == "placeholder":  # keep the inputs together at the top of the graph
-                after = self._input_casts_end or list(self.graph.find_nodes(op="placeholder"))[-1]
-            with self.graph.inserting_after(after):
+            with self.graph.inserting_before(reader):
                 result = self._cast(value, torch.float32, f"{value.name}_fp32")
-            if value.op == "placeholder":
-                self._input_casts_end = result
         upcasts[value] = result
         return result
 
@@ -202,19 +210,19 @@ class _Rewriter:
         region = match.nodes
         order = [n for n in self.graph.nodes if n in region]
         outside = {n: [u for u in n.users if u not in region] for n in order}
-        dtype_before = {n: fx.dtype_of(n) for n in order}
+        dtype_before = {n: ops.dtype_of(n) for n in order}
 
         upcasts: dict[Node, Node] = {}
         for node in order:  # 1. inputs
             for value in node.all_input_nodes:
-                if value not in region and fx.is_low_precision(value):
-                    node.replace_input_with(value, self.to_fp32(value, upcasts))
+                if value not in region and ops.is_low_precision(value):
+                    node.replace_input_with(value, self.to_fp32(value, upcasts, node))
                 elif value not in region and (bypass := self.rounded_upcast(value)) is not None:
                     self._bypass(*bypass)
 
         fp32_value: dict[Node, Node] = {}  # region node -> the node now holding its fp32 value
         for node in order:  # 2. inside: casts disappear, everything else computes in fp32
-            if fx.is_cast(node):
+            if ops.is_cast(node):
                 source = node.args[0]
                 fp32_value[node] = fp32_value.get(source, source)
                 for user in list(node.users):
@@ -222,7 +230,7 @@ class _Rewriter:
                         user.replace_input_with(node, fp32_value[node])
             else:
                 fp32_value[node] = node
-                if fx.dtype_of(node) in fx.LOW_PRECISION:
+                if ops.dtype_of(node) in ops.LOW_PRECISION:
                     _set_dtype(node, torch.float32)
 
         for node in order:  # 3. outputs: one rounding per value read outside
@@ -232,27 +240,45 @@ class _Rewriter:
             value = fp32_value[node]
             if not match.rounds_outputs:  # the logits: they leave in fp32; an upcast of them is now a no-op
                 for user in users:
-                    if fx.widens(user) and fx.dtype_of(user) == torch.float32:
+                    if ops.widens(user) and ops.dtype_of(user) == torch.float32:
                         user.replace_all_uses_with(value)
                         self.graph.erase_node(user)
                     else:
                         user.replace_input_with(node, value)
                 continue
-            if dtype_before[node] in fx.LOW_PRECISION:
+            if dtype_before[node] in ops.LOW_PRECISION:
                 with self.graph.inserting_after(value):
                     rounded = self._cast(value, dtype_before[node], f"{node.name}_rounded")
                 _tag_rounding(rounded, match.kind)
             else:
                 rounded = value
                 for user in users:  # the model's own rounding of an fp32 output: keep it
-                    if fx.is_cast(user) and fx.is_low_precision(user):
+                    if ops.is_cast(user) and ops.is_low_precision(user):
                         _tag_rounding(user, match.kind)
             for user in users:
                 user.replace_input_with(node, rounded)
 
         for node in reversed(order):
-            if fx.is_cast(node) and not node.users:
+            if ops.is_cast(node) and not node.users:
                 self.graph.erase_node(node)
+
+        if not self.post_grad:  # 4. what the backward recomputes (pre-dispatch: before autograd)
+            for role in match.recompute:
+                mark_recompute(fp32_value.get(match.roles[role], match.roles[role]), set(upcasts.values()))
+
+
+def mark_recompute(value: Node, upcasts: set[Node]) -> None:
+    """Tag a site's fp32 `value`, the site's upcasts it reads and its output roundings for
+    recomputation in the backward (AOTAutograd's partitioner honours `meta["recompute"]`, the
+    tag activation checkpointing uses). The backward then saves what those read (bf16 tensors)
+    instead of the fp32 value; the recomputed ops are the forward's, so the values are the same
+    bits."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    marked = [value] + [n for n in value.all_input_nodes if n in upcasts]
+    marked += [u for u in value.users if is_site_rounding(u)]
+    for node in marked:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 def _set_dtype(node: Node, dtype: torch.dtype) -> None:
@@ -268,89 +294,129 @@ def _tag_rounding(node: Node, kind: str) -> None:
     node.meta["low_precision_pointwise_barrier"] = True
 
 
+def _tag_own_roundings(match: Match) -> None:
+    """An already aligned site's own rounding of its fp32 output is its one rounding, and is
+    kept like a rewritten site's: tagged, so that Inductor neither fuses it away nor computes
+    the fp32 value it rounds with other math than eager's when rounding is pinned (litgpt's
+    Qwen3 q/k norms: Inductor's own mean moved one element of one row across a rounding
+    boundary, 33 logits differed)."""
+    if not match.rounds_outputs:
+        return
+    for node in match.nodes:
+        for user in node.users:
+            if user not in match.nodes and ops.is_cast(user) and ops.is_low_precision(user):
+                _tag_rounding(user, match.kind)
+
+
 def _where(node: Node) -> tuple[str, str]:
-    return fx.module_path(node), fx.source_line(node)
+    return ops.module_path(node), ops.source_line(node)
+
+
+@dataclass
+class _Plan:
+    """What `align` does with one site: its match, activation dtype and region (node names in
+    graph order, before the rewrite), and its status and reason once decided."""
+
+    match: Match
+    dtype: torch.dtype
+    nodes: tuple[str, ...]
+    status: str | None = None  # None: not decided yet
+    reason: str = ""
 
 
 def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: bool = False) -> GraphReport:
     """Rewrite `gm` in place to the rounding contract; return what was found and done.
 
+    1. find the sites (`find_sites`), one plan each in graph order;
+    2. decide every site's status before any rewrite (a bypass done for one site serves others);
+    3. rewrite the sites to rewrite, and report them all.
+
     `post_grad`: the graph is Inductor's post-grad IR (inference passes, vLLM), where new casts
     must be `prims.convert_element_type`; otherwise pre-dispatch ATen (the rla backend)."""
     graph = gm.graph
     matches, skipped, misses = find_sites(graph, options.sites)
-    report = GraphReport(graph=name)
+    plans = _plans(graph, matches, skipped)
+    rewriter = _Rewriter(graph, {n for p in plans if p.status is None for n in p.match.nodes}, post_grad)
+    _decide(plans, rewriter)
+    for plan in plans:
+        if plan.status == "rewritten":
+            rewriter.rewrite(plan.match)
+        elif plan.status == "already_aligned" and plan.dtype in ops.LOW_PRECISION:
+            _tag_own_roundings(plan.match)
 
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    matches.sort(key=lambda m: position[m.anchor])
-    names = {m: tuple(n.name for n in graph.nodes if n in m.nodes) for m in matches}
-    names.update({m: tuple(n.name for n in graph.nodes if n in m.nodes) for m, _ in skipped})
-    skipped = [(m, reason, _site_dtype(m)) for m, reason in skipped]
-    plans = []
-    for match in matches:
-        dtype = _site_dtype(match)
-        if dtype not in fx.LOW_PRECISION:
-            name = str(dtype).removeprefix("torch.")
-            plans.append((match, dtype, "already_aligned", f"{name} activations: no rounding to move"))
-        else:
-            plans.append((match, dtype, None, ""))
-    site_nodes = {n for m, _, status, _ in plans if status is None for n in m.nodes}
-    rewriter = _Rewriter(graph, site_nodes, post_grad)
-
-    decided = []  # every status before any rewrite: a bypass done for one site serves others too
-    for match, dtype, status, reason in plans:
-        if status is None:
-            lowp_inside = [n for n in match.nodes if fx.dtype_of(n) in fx.LOW_PRECISION]
-            inputs = {p for n in match.nodes for p in n.all_input_nodes if p not in match.nodes}
-            rounded_inputs = [
-                p for p in inputs
-                if (fx.is_low_precision(p) and rewriter.bypassable(p) is not None)
-                or rewriter.rounded_upcast(p) is not None
-            ]
-            if not lowp_inside and not rounded_inputs:
-                status, reason = "already_aligned", "computed in fp32, rounded once"
-            else:
-                status, reason = "rewritten", _mixed_note(match)
-        decided.append((match, dtype, status, reason))
-    for match, dtype, status, reason in decided:
-        if status == "rewritten":
-            rewriter.rewrite(match)
-        report.sites.append(_site_report(match, status, dtype, reason, names[match]))
-
-    for match, reason, dtype in skipped:
-        report.sites.append(_site_report(match, "skipped", dtype, reason, names[match]))
-    order = {m.anchor.name: position[m.anchor] for m in matches} | {m.anchor.name: position[m.anchor] for m, _, _ in skipped}
-    report.sites.sort(key=lambda s: order[s.anchor])
-    for miss in misses:
-        report.near_misses.append(NearMiss(miss.kind, miss.anchor.name, fx.module_path(miss.anchor), miss.reason))
-
-    if not any(fx.is_low_precision(n) for n in graph.nodes):
-        floats = sorted({str(d).removeprefix("torch.") for n in graph.nodes
-                         if (d := fx.dtype_of(n)) is not None and d.is_floating_point})
-        report.note = "nothing to align: " + (f"activations are {', '.join(floats)}" if floats else "no floating-point values")
+    report = GraphReport(
+        graph=name,
+        sites=[_site_report(p) for p in plans],
+        near_misses=[NearMiss(m.kind, m.anchor.name, ops.module_path(m.anchor), m.reason) for m in misses],
+        note=_graph_note(graph),
+    )
     if any(s.status == "rewritten" for s in report.sites):
         graph.lint()
         gm.recompile()
     return report
 
 
-def _site_report(
-    match: Match, status: str, dtype: torch.dtype, reason: str, nodes: tuple[str, ...]
-) -> SiteReport:
+def _plans(graph: Graph, matches: list[Match], skipped: list[tuple[Match, str]]) -> list[_Plan]:
+    """One plan per site found, in graph order of the anchors. Skipped sites, and sites whose
+    activations are not low precision, are decided here; the others wait for `_decide`."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    found = [(m, None) for m in matches] + skipped  # sorted stably: a site before one skipped at its anchor
+    plans = []
+    for match, skip_reason in sorted(found, key=lambda pair: position[pair[0].anchor]):
+        plan = _Plan(match, _site_dtype(match), tuple(n.name for n in graph.nodes if n in match.nodes))
+        if skip_reason is not None:
+            plan.status, plan.reason = "skipped", skip_reason
+        elif plan.dtype not in ops.LOW_PRECISION:
+            plan.status = "already_aligned"
+            plan.reason = f"{ops.dtype_name(plan.dtype)} activations: no rounding to move"
+        plans.append(plan)
+    return plans
+
+
+def _decide(plans: list[_Plan], rewriter: _Rewriter) -> None:
+    """Rewritten, or already aligned: computed in fp32 with no rounding inside and none of its
+    inputs a rounding the cast bypass would remove."""
+    for plan in plans:
+        if plan.status is not None:
+            continue
+        match = plan.match
+        lowp_inside = [n for n in match.nodes if ops.dtype_of(n) in ops.LOW_PRECISION]
+        inputs = {p for n in match.nodes for p in n.all_input_nodes if p not in match.nodes}
+        rounded_inputs = [
+            p for p in inputs
+            if (ops.is_low_precision(p) and rewriter.bypassable(p) is not None)
+            or rewriter.rounded_upcast(p) is not None
+        ]
+        if not lowp_inside and not rounded_inputs:
+            plan.status, plan.reason = "already_aligned", "computed in fp32, rounded once"
+        else:
+            plan.status, plan.reason = "rewritten", _mixed_note(match)
+
+
+def _graph_note(graph: Graph) -> str:
+    """Why a graph has nothing to align, when it has no low-precision value at all."""
+    if any(ops.is_low_precision(n) for n in graph.nodes):
+        return ""
+    floats = sorted({ops.dtype_name(d) for n in graph.nodes if (d := ops.dtype_of(n)) is not None and d.is_floating_point})
+    return "nothing to align: " + (f"activations are {', '.join(floats)}" if floats else "no floating-point values")
+
+
+def _site_report(plan: _Plan) -> SiteReport:
+    match, nodes = plan.match, plan.nodes
     # Where the site's result is computed (the weight multiply, the gated product, RoPE's add)
     # names the user's line better than the anchor deep inside it.
     last = max(match.nodes, key=lambda n: nodes.index(n.name) if n.name in nodes else -1)
     module, source = _where(last)
     if not module:
-        module = fx.module_path(match.anchor)
+        module = ops.module_path(match.anchor)
     return SiteReport(
         kind=match.kind,
-        status=status,
+        status=plan.status,
         variant=match.variant,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=ops.dtype_name(plan.dtype),
         module=module,
         source=source,
         anchor=match.anchor.name,
-        reason=reason,
+        reason=plan.reason,
         nodes=nodes,
     )

@@ -11,26 +11,17 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from . import fx
+from . import ops
+from .engine import ROUNDING_TAG
 
-__all__ = ["format_graph", "DTYPE_NAMES"]
-
-DTYPE_NAMES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.float64: "fp64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.bool: "bool",
-}
+__all__ = ["format_graph"]
 
 
 def _arg(a: object) -> str:
     if isinstance(a, Node):
         return f"%{a.name}"
     if isinstance(a, torch.dtype):
-        return DTYPE_NAMES.get(a, str(a).removeprefix("torch."))
+        return ops.dtype_name(a, short=True)
     if isinstance(a, (list, tuple)):
         inner = ", ".join(_arg(x) for x in a)
         return f"[{inner}]"
@@ -42,11 +33,11 @@ def _arg(a: object) -> str:
 
 
 def _type(node: Node) -> str:
-    dtype, shape = fx.dtype_of(node), fx.shape_of(node)
+    dtype, shape = ops.dtype_of(node), ops.shape_of(node)
     if dtype is None:
         return ""
     dims = ", ".join(str(d) for d in shape)
-    return f": {DTYPE_NAMES.get(dtype, str(dtype))}[{dims}]"
+    return f": {ops.dtype_name(dtype, short=True)}[{dims}]"
 
 
 def _target(node: Node) -> str:
@@ -73,7 +64,7 @@ def format_graph(graph: Graph | GraphModule, only: set[str] | None = None) -> st
             args = [_arg(a) for a in node.args]
             args += [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
             line = f"%{node.name}{_type(node)} = {_target(node)}({', '.join(args)})"
-            tag = (node.meta.get("custom") or {}).get("rla_round")
+            tag = (node.meta.get("custom") or {}).get(ROUNDING_TAG)
             if tag:
                 line += f"  # rla: round {tag}"
             lines.append(line)

@@ -6,6 +6,8 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from .ops import dtype_name
+
 __all__ = ["SiteReport", "NearMiss", "GraphReport", "STATUSES"]
 
 STATUSES = ("rewritten", "already_aligned", "skipped")
@@ -41,6 +43,7 @@ class GraphReport:
     near_misses: list[NearMiss] = field(default_factory=list)
     note: str = ""  # graph-level remarks, e.g. "nothing to align: activations are float32"
     seconds: dict[str, float] = field(default_factory=dict)  # time rla spent: retrace, rewrite
+    rank: int | None = None  # the process's rank under torch.distributed (tensor parallel: per rank)
 
     def count(self, kind: str | None = None, status: str | None = None) -> int:
         return sum(
@@ -49,9 +52,9 @@ class GraphReport:
             if (kind is None or s.kind == kind) and (status is None or s.status == status)
         )
 
-    def counts(self) -> dict[str, int]:
-        """Sites per kind, whatever their status."""
-        return dict(Counter(s.kind for s in self.sites))
+    def counts(self, status: str | None = None) -> dict[str, int]:
+        """Sites per kind, whatever their status unless `status` is given."""
+        return dict(Counter(s.kind for s in self.sites if status is None or s.status == status))
 
     def to_dict(self) -> dict:
         return {
@@ -60,21 +63,36 @@ class GraphReport:
             "sites": [asdict(s) for s in self.sites],
             "near_misses": [asdict(m) for m in self.near_misses],
             "seconds": self.seconds,
+            "rank": self.rank,
         }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GraphReport:
+        """The report `to_dict` wrote (e.g. in another process)."""
+        return cls(
+            graph=data["graph"],
+            sites=[SiteReport(**{**s, "nodes": tuple(s.get("nodes", ()))}) for s in data.get("sites", [])],
+            near_misses=[NearMiss(**m) for m in data.get("near_misses", [])],
+            note=data.get("note", ""),
+            seconds=dict(data.get("seconds", {})),
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    def _name(self) -> str:
+        return self.graph if self.rank is None else f"{self.graph} (rank {self.rank})"
+
     def summary(self) -> str:
         """One line: counts per status and kind."""
         if not self.sites:
-            return f"{self.graph}: no sites" + (f" ({self.note})" if self.note else "")
+            return f"{self._name()}: no sites" + (f" ({self.note})" if self.note else "")
         parts = []
         for status in STATUSES:
             by_kind = Counter(s.kind for s in self.sites if s.status == status)
             if by_kind:
                 parts.append(f"{status} " + ", ".join(f"{k}={n}" for k, n in sorted(by_kind.items())))
-        line = f"{self.graph}: " + "; ".join(parts)
+        line = f"{self._name()}: " + "; ".join(parts)
         return line + (f" ({self.note})" if self.note else "")
 
     def __str__(self) -> str:
@@ -84,7 +102,7 @@ class GraphReport:
                 s.kind,
                 s.status,
                 s.variant,
-                s.dtype.replace("bfloat16", "bf16").replace("float16", "fp16").replace("float32", "fp32"),
+                dtype_name(s.dtype, short=True),
                 s.module or "-",
                 s.source or s.anchor,
                 s.reason,
@@ -92,7 +110,7 @@ class GraphReport:
             for s in self.sites
         ]
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-        lines = [f"rla report for graph {self.graph}: {len(self.sites)} site(s)"]
+        lines = [f"rla report for graph {self._name()}: {len(self.sites)} site(s)"]
         if self.note:
             lines.append(f"note: {self.note}")
         if rows:

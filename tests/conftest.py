@@ -1,7 +1,5 @@
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))  # contract_reference, site_cases, models
+# tests/support (references, model zoo, site cases) and tests/probes (scripts the tests run in
+# subprocesses) are on the import path: pyproject.toml [tool.pytest.ini_options] pythonpath.
 
 import pytest
 import torch

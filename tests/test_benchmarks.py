@@ -54,3 +54,13 @@ def test_plot_of_committed_results(tmp_path):
     done = subprocess.run([sys.executable, str(BENCH / "plot.py"), str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "performance_cpu.png").stat().st_size > 10_000
+
+
+def test_real_shape_smoke(tmp_path):
+    """The real-shape comparison at a toy size (the real one runs by hand: docs/performance.md)."""
+    done = _run("real_shape.py", "--layers", "1", "--hidden", "64", "--vocab", "512", "--tokens", "16", "--reps", "1",
+                "--no-warm-up", "--json", "s.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert set(result["variants"]) == {"inductor", "rla", "rla + logits"}
+    assert result["variants"]["rla"]["train_rla_s"]["retrace"] > 0

@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROBE = Path(__file__).with_name("cache_probe.py")
+PROBE = Path(__file__).parent / "probes" / "cache_probe.py"
+SUPPORT = Path(__file__).parent / "support"
 
 
 def _run(options: dict, cache_dir: Path) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONPATH=str(PROBE.parent))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONPATH=str(SUPPORT))
     done = subprocess.run(
         [sys.executable, str(PROBE), json.dumps(options)], capture_output=True, text=True, env=env, check=True
     )

@@ -81,8 +81,8 @@ residual_rmsnorm  rewritten  llama    bf16   model.norm                         
 -%mul: bf16[2, 16, 128] = aten.mul.Tensor(%silu, %arg1_1)
 -return [%mul]
 +%arg0_1_fp32: fp32[2, 16, 128] = aten._to_copy.default(%arg0_1, dtype=fp32)
-+%arg1_1_fp32: fp32[2, 16, 128] = aten._to_copy.default(%arg1_1, dtype=fp32)
 +%silu: fp32[2, 16, 128] = aten.silu.default(%arg0_1_fp32)
++%arg1_1_fp32: fp32[2, 16, 128] = aten._to_copy.default(%arg1_1, dtype=fp32)
 +%mul: fp32[2, 16, 128] = aten.mul.Tensor(%silu, %arg1_1_fp32)
 +%mul_rounded: bf16[2, 16, 128] = aten._to_copy.default(%mul, dtype=bf16)  # rla: round swiglu
 +return [%mul_rounded]
@@ -114,7 +114,7 @@ def test_recompiles_never_overwrite_a_dump(tmp_path):
 def _run_example_with_env(env_extra: dict, cwd: Path) -> subprocess.CompletedProcess:
     code = (
         "import torch, sys\n"
-        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests' / 'support')!r})\n"
         "from site_cases import glu_silu\n"
         "g, u = torch.randn(2, 8, 64).bfloat16(), torch.randn(2, 8, 64).bfloat16()\n"
         "torch.compile(glu_silu, backend='rla', options={'inner': 'aot_eager'})(g, u)\n"

@@ -14,7 +14,7 @@ BY_NAME = {c.name: c for c in CASES}
 
 def _after(name: str) -> str:
     case = BY_NAME[name]
-    return rla_compile.inspect(case.fn, *case.inputs(torch.bfloat16)).after
+    return rla_compile.align_function(case.fn, *case.inputs(torch.bfloat16)).after
 
 
 class GoldenGraphs(expecttest.TestCase):
@@ -23,12 +23,12 @@ class GoldenGraphs(expecttest.TestCase):
 %arg0_1: bf16[2, 16, 64] = input
 %arg1_1: bf16[64] = input
 %arg0_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg0_1, dtype=fp32)
-%arg1_1_fp32: fp32[64] = aten._to_copy.default(%arg1_1, dtype=fp32)
 %pow_1: fp32[2, 16, 64] = aten.pow.Tensor_Scalar(%arg0_1_fp32, 2)
 %mean: fp32[2, 16, 1] = aten.mean.dim(%pow_1, [-1], True)
 %add: fp32[2, 16, 1] = aten.add.Tensor(%mean, 1e-06)
 %rsqrt: fp32[2, 16, 1] = aten.rsqrt.default(%add)
 %mul: fp32[2, 16, 64] = aten.mul.Tensor(%arg0_1_fp32, %rsqrt)
+%arg1_1_fp32: fp32[64] = aten._to_copy.default(%arg1_1, dtype=fp32)
 %mul_1: fp32[2, 16, 64] = aten.mul.Tensor(%arg1_1_fp32, %mul)
 %mul_1_rounded: bf16[2, 16, 64] = aten._to_copy.default(%mul_1, dtype=bf16)  # rla: round rmsnorm
 return [%mul_1_rounded]""")
@@ -40,7 +40,6 @@ return [%mul_1_rounded]""")
 %arg2_1: bf16[64] = input
 %arg0_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg0_1, dtype=fp32)
 %arg1_1_fp32: fp32[2, 16, 64] = aten._to_copy.default(%arg1_1, dtype=fp32)
-%arg2_1_fp32: fp32[64] = aten._to_copy.default(%arg2_1, dtype=fp32)
 %add: fp32[2, 16, 64] = aten.add.Tensor(%arg0_1_fp32, %arg1_1_fp32)
 %add_rounded: bf16[2, 16, 64] = aten._to_copy.default(%add, dtype=bf16)  # rla: round residual_rmsnorm
 %pow_1: fp32[2, 16, 64] = aten.pow.Tensor_Scalar(%add, 2)
@@ -48,6 +47,7 @@ return [%mul_1_rounded]""")
 %add_1: fp32[2, 16, 1] = aten.add.Tensor(%mean, 1e-06)
 %rsqrt: fp32[2, 16, 1] = aten.rsqrt.default(%add_1)
 %mul: fp32[2, 16, 64] = aten.mul.Tensor(%add, %rsqrt)
+%arg2_1_fp32: fp32[64] = aten._to_copy.default(%arg2_1, dtype=fp32)
 %mul_1: fp32[2, 16, 64] = aten.mul.Tensor(%arg2_1_fp32, %mul)
 %mul_1_rounded: bf16[2, 16, 64] = aten._to_copy.default(%mul_1, dtype=bf16)  # rla: round residual_rmsnorm
 return [%add_rounded, %mul_1_rounded]""")
@@ -57,10 +57,10 @@ return [%add_rounded, %mul_1_rounded]""")
 %arg0_1: bf16[2, 16, 256] = input
 %chunk = aten.chunk.default(%arg0_1, 2, -1)
 %getitem: bf16[2, 16, 128] = getitem(%chunk, 0)
-%getitem_fp32: fp32[2, 16, 128] = aten._to_copy.default(%getitem, dtype=fp32)
 %getitem_1: bf16[2, 16, 128] = getitem(%chunk, 1)
-%getitem_1_fp32: fp32[2, 16, 128] = aten._to_copy.default(%getitem_1, dtype=fp32)
+%getitem_fp32: fp32[2, 16, 128] = aten._to_copy.default(%getitem, dtype=fp32)
 %silu: fp32[2, 16, 128] = aten.silu.default(%getitem_fp32)
+%getitem_1_fp32: fp32[2, 16, 128] = aten._to_copy.default(%getitem_1, dtype=fp32)
 %mul: fp32[2, 16, 128] = aten.mul.Tensor(%silu, %getitem_1_fp32)
 %mul_rounded: bf16[2, 16, 128] = aten._to_copy.default(%mul, dtype=bf16)  # rla: round swiglu
 return [%mul_rounded]""")
@@ -71,8 +71,6 @@ return [%mul_rounded]""")
 %arg1_1: fp32[16] = input
 %arg2_1: bf16[2, 4, 16, 32] = input
 %arg3_1: bf16[2, 4, 16, 32] = input
-%arg2_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg2_1, dtype=fp32)
-%arg3_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg3_1, dtype=fp32)
 %unsqueeze: i64[16, 1] = aten.unsqueeze.default(%arg0_1, 1)
 %to: fp32[16, 1] = aten.to.dtype(%unsqueeze, fp32)
 %unsqueeze_1: fp32[1, 16] = aten.unsqueeze.default(%arg1_1, 0)
@@ -80,6 +78,7 @@ return [%mul_rounded]""")
 %cat: fp32[16, 32] = aten.cat.default([%mul, %mul], -1)
 %cos: fp32[16, 32] = aten.cos.default(%cat)
 %sin: fp32[16, 32] = aten.sin.default(%cat)
+%arg2_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg2_1, dtype=fp32)
 %mul_1: fp32[2, 4, 16, 32] = aten.mul.Tensor(%arg2_1_fp32, %cos)
 %slice_1: fp32[2, 4, 16, 16] = aten.slice.Tensor(%arg2_1_fp32, 3, 0, 16)
 %slice_2: fp32[2, 4, 16, 16] = aten.slice.Tensor(%arg2_1_fp32, 3, 16, 9223372036854775807)
@@ -88,6 +87,7 @@ return [%mul_rounded]""")
 %mul_2: fp32[2, 4, 16, 32] = aten.mul.Tensor(%cat_1, %sin)
 %add: fp32[2, 4, 16, 32] = aten.add.Tensor(%mul_1, %mul_2)
 %add_rounded: bf16[2, 4, 16, 32] = aten._to_copy.default(%add, dtype=bf16)  # rla: round rope
+%arg3_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg3_1, dtype=fp32)
 %mul_3: fp32[2, 4, 16, 32] = aten.mul.Tensor(%arg3_1_fp32, %cos)
 %slice_3: fp32[2, 4, 16, 16] = aten.slice.Tensor(%arg3_1_fp32, 3, 0, 16)
 %slice_4: fp32[2, 4, 16, 16] = aten.slice.Tensor(%arg3_1_fp32, 3, 16, 9223372036854775807)

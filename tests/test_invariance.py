@@ -5,7 +5,7 @@ One input proves little: a 1-ulp fp32 difference inside a site (Inductor's own r
 order in RMSNorm's mean(x^2), its own vectorised cos/sin for RoPE's fp32 tables) crosses a
 bf16 rounding boundary only for some token ids. So each model is compiled once (static
 shapes, no recompiles) and run on 40 seeded inputs of the same shape. Before the eager-math
-pinning in `PinSiteRounding`, 2-7 of the 40 inputs differed per family here.
+pinning in `KeepSiteRounding`, 2-7 of the 40 inputs differed per family here.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def head_consumed_in_bf16(x, w):
 ])
 def test_head_lookalikes_are_near_misses(fn, reason):
     x, w = torch.randn(2, 8, 64).bfloat16(), torch.randn(96, 64).bfloat16()
-    result = rla_compile.inspect(fn, x, w, sites=ALL)
+    result = rla_compile.align_function(fn, x, w, sites=ALL)
     assert result.report.sites == [] and result.after == result.before
     assert [m.kind for m in result.report.near_misses] == ["logits"]
     assert reason in result.report.near_misses[0].reason
@@ -91,5 +91,5 @@ def test_tied_head_is_found_by_its_embedding():
     def tied(ids, table):
         return F.linear(F.embedding(ids, table) * 2, table)
 
-    result = rla_compile.inspect(tied, _ids(96), torch.randn(96, 64).bfloat16(), sites=ALL)
+    result = rla_compile.align_function(tied, _ids(96), torch.randn(96, 64).bfloat16(), sites=ALL)
     assert [(s.kind, s.variant) for s in result.report.sites] == [("logits", "head, tied embedding")]

@@ -18,7 +18,7 @@ import pytest
 from rla_compile import OptionError, Options, bundled
 from rla_compile.integrations import vllm as rla_vllm
 
-PROBE = Path(__file__).with_name("rl_probe.py")
+PROBE = Path(__file__).parent / "probes" / "rl_probe.py"
 # the shipped 4-layer Qwen3 compiled as one graph (docs/demo.md: 29 sites)
 WHOLE_MODEL = {"rmsnorm": 9, "residual_rmsnorm": 8, "rope": 8, "swiglu": 4}
 
@@ -91,7 +91,7 @@ def test_logits_site_sets_vllms_head_dtype_unless_the_user_did():
 @pytest.mark.rl
 def test_trl_logprob_head_projects_from_fp32():
     """TRL's chunked logprob function, patched, equals log-softmax of the contract's fp32 logits
-    (tests/contract_reference.py), where stock TRL rounds its bf16 tiles."""
+    (tests/support/contract_reference.py), where stock TRL rounds its bf16 tiles."""
     pytest.importorskip("trl")
     import torch
 

@@ -1,8 +1,8 @@
 """backend="rla" in real training setups (docs/training.md): FSDP2 and tensor parallel on 2
-gloo processes, activation checkpointing, dynamic shapes, the HF Trainer, PEFT LoRA.
+gloo processes, FSDP2 x tensor parallel on 4, activation checkpointing, dynamic shapes, the HF Trainer, PEFT LoRA.
 
 References are independent of rla_compile: the model run eagerly with its sites replaced by
-the contract reference (tests/hf_reference.py, handwritten.forward_contract). Where a setup
+the contract reference (tests/support/hf_reference.py, handwritten.forward_contract). Where a setup
 cuts the model into several graphs (an FSDP unit, a checkpointed layer), the values crossing
 the cut are bf16 tensors and the reference rounds them there too (`unit_boundaries`).
 """
@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import contract_reference as ref
 import distributed_probe as probe
+import tp_reference as tpr
 import handwritten
 import rla_compile
 from hf_reference import contract_sites
@@ -102,11 +103,13 @@ def test_fsdp2_training_equals_single_process_contract_reference(distributed, se
     assert got["losses"] == losses
     assert set(got["params"]) == set(params)
     assert sum(int((got["params"][n] != p).sum()) for n, p in params.items()) == 0
-    assert all(s["status"] == "rewritten" for r in got["reports"] for s in r["sites"])
+    reports = got["reports"][0]  # rank 0's; both ranks compile the same graphs
+    assert all(_site_counts(r) == _site_counts(reports) for r in got["reports"])
+    assert all(s["status"] == "rewritten" for r in reports for s in r["sites"])
     if setup == "fsdp_root":  # one FSDP unit: one graph with every site, as without FSDP
-        assert _site_counts(got["reports"]) == [expected_sites(tiny_causal_lm("llama").config)]
+        assert _site_counts(reports) == [expected_sites(tiny_causal_lm("llama").config)]
     else:  # FSDP2's hooks are Dynamo-disabled: a graph per layer (both layers share it), then the final norm
-        assert _site_counts(got["reports"]) == [LAYER, {"rmsnorm": 1, "residual_rmsnorm": 0, "rope": 0, "swiglu": 0}]
+        assert _site_counts(reports) == [LAYER, {"rmsnorm": 1, "residual_rmsnorm": 0, "rope": 0, "swiglu": 0}]
 
 
 def test_fsdp2_per_layer_units_cut_the_residual_norms(distributed):
@@ -114,12 +117,126 @@ def test_fsdp2_per_layer_units_cut_the_residual_norms(distributed):
     assert distributed["fsdp_per_layer"]["losses"] != _reference_training(boundaries=False)[0]
 
 
-def test_tensor_parallel_graphs_are_reported_not_aligned(distributed):
-    """DTensor parameters: rla cannot re-trace the graph; it compiles it as written and says so."""
-    got = distributed["tp"]
-    assert got["reports"] and all(not r["sites"] and "tensor subclasses (DTensor" in r["note"] for r in got["reports"])
-    assert all(torch.isfinite(torch.tensor(loss)) for loss in got["losses"])
-    assert got["losses"][-1] < got["losses"][0]
+# -- tensor parallel (DTensor): 2 processes; FSDP2 x TP: 4 processes -----------------------------
+@pytest.fixture(scope="module")
+def distributed_2d(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed_2d") / "results.pt"
+    subprocess.run([sys.executable, str(Path(probe.__file__)), str(out), "2d"], check=True, capture_output=True, timeout=600)
+    return torch.load(out)
+
+
+def _tp_step(sequence_parallel: bool, sites: str, cut: bool = False):
+    """The probe's forward and backward on one process with tensor parallelism's arithmetic
+    (tests/support/tp_reference.py): logits and every parameter gradient. sites: "contract" (the
+    independent reference), "model" (as written, eager) or "rla" (compiled on this process).
+    cut: each decoder layer its own graph and the final norm outside them (torchtitan's
+    per-layer compile), as `unit_boundaries` models it."""
+    model = tpr.shard_like_tp(tiny_causal_lm("llama"), sequence_parallel)
+    forward = model
+    if sites == "rla":
+        torch._dynamo.reset()
+        forward = torch.compile(model, backend=rla_compile.backend(inner="aot_eager"))
+    with contextlib.ExitStack() as stack:
+        if sites == "contract":
+            stack.enter_context(contract_sites(model, skip=(model.model.norm,) if cut else ()))
+        if cut:
+            stack.enter_context(unit_boundaries(model))
+        logits = forward(probe.batch(), use_cache=False).logits
+        logits.backward(probe.cotangent(logits.shape))
+    torch._dynamo.reset()
+    return logits.detach(), tpr.grads(model)
+
+
+def _tp_mismatches(got, logits, grads) -> tuple[int, int]:
+    assert set(grads) == set(got["grads"])
+    return _mismatches([logits], [got["logits"]]), sum(int((g != got["grads"][n]).sum()) for n, g in grads.items())
+
+
+def _sites_per_rank(got):
+    """Per rank: the site counts of each graph, and whether every site was rewritten."""
+    assert [{r["rank"] for r in reports} for reports in got["reports"]] == [{i} for i in range(len(got["reports"]))]
+    return [([{k: sum(1 for s in r["sites"] if s["kind"] == k) for k in LAYER} for r in reports],
+             all(s["status"] == "rewritten" for r in reports for s in r["sites"]) and all(not r["note"] for r in reports))
+            for reports in got["reports"]]
+
+
+@pytest.mark.parametrize("setup", ["tp", "tp_sp"])
+def test_tensor_parallel_equals_single_process_contract_reference(distributed, setup):
+    """Colwise/Rowwise projections (tp) and torchtitan's plan with sequence-parallel norms
+    (tp_sp) on 2 ranks: every site of the one graph rewritten on every rank; logits and every
+    parameter gradient (gathered) equal the contract reference with TP's arithmetic, bit for bit."""
+    got = distributed[setup]
+    whole = expected_sites(tiny_causal_lm("llama").config)
+    assert _sites_per_rank(got) == [([whole], True)] * 2
+    assert _tp_mismatches(got, *_tp_step(setup == "tp_sp", "contract")) == (0, 0)
+
+
+def test_fsdp2_x_tensor_parallel_equals_single_process_contract_reference(distributed_2d):
+    """torchtitan's 2D on 4 ranks (dp=2 x tp=2, FSDP2 per layer, each layer compiled): per rank
+    one graph per layer with every layer site rewritten; logits and gradients bit for bit."""
+    got = distributed_2d["fsdp_tp"]
+    assert _sites_per_rank(got) == [([LAYER, LAYER], True)] * 4
+    assert _tp_mismatches(got, *_tp_step(True, "contract", cut=True)) == (0, 0)
+
+
+def test_tensor_parallel_equals_rla_on_one_process(distributed):
+    """The plain plan: rla on one process, on a model with TP's arithmetic, gives TP's bits."""
+    assert _tp_mismatches(distributed["tp"], *_tp_step(False, "rla")) == (0, 0)
+
+
+def test_tp_reference_models_tensor_parallel_arithmetic(distributed):
+    """Without rla on either side, torchtitan's plan compiled as written (aot_eager) equals the
+    one-process model of TP's arithmetic with the model's own roundings, bit for bit: the
+    reference's TP part is right independently of the sites."""
+    got = distributed["tp_sp_as_written"]
+    assert got["reports"] == [[], []]
+    assert _tp_mismatches(got, *_tp_step(True, "model")) == (0, 0)
+
+
+@pytest.mark.parametrize("setup", ["tp", "tp_sp"])
+def test_tensor_parallel_comparison_sees_the_sites(distributed, setup):
+    """Without rla's rewrite (the model's own roundings), logits and gradients differ."""
+    logits, grads = _tp_mismatches(distributed[setup], *_tp_step(setup == "tp_sp", "model"))
+    assert logits > 0 and grads > 0
+
+
+def test_subclass_graph_that_cannot_be_retraced_says_why(monkeypatch, caplog):
+    """A graph with tensor-subclass inputs whose re-trace fails is compiled as written, and its
+    report names the subclass and the error."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    backend_module = sys.modules["rla_compile.backend"]
+
+    def fail(gm, example_inputs):
+        raise RuntimeError("Unable to cast NotImplemented to Tensor")
+
+    monkeypatch.setattr(backend_module, "_pre_dispatch", fail)
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
+    backend = rla_compile.backend(inner="aot_eager")
+    out = torch.compile(lambda x, w: x * w, backend=backend)(x, TwoTensor(w, w))
+    torch._dynamo.reset()
+    assert torch.equal(out.a, x * w)
+    (report,) = backend.reports
+    assert not report.sites and report.note == (
+        "not aligned: graph inputs are tensor subclasses (TwoTensor) and rla's pre-dispatch re-trace "
+        "failed (RuntimeError: Unable to cast NotImplemented to Tensor); compiled as written")
+
+
+def test_tensor_subclass_inputs_are_aligned():
+    """A subclass input without DTensor's conversions re-traces like a tensor."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def norm(x, w):
+        h = x.to(torch.float32)
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
+    backend = rla_compile.backend(inner="aot_eager")
+    out = torch.compile(norm, backend=backend)(x, TwoTensor(w, w))
+    torch._dynamo.reset()
+    (report,) = backend.reports
+    assert report.counts() == {"rmsnorm": 1} and report.count(status="rewritten") == 1
+    assert torch.equal(out.a, ref.rmsnorm(x, w)) and torch.equal(out.b, ref.rmsnorm(x, w))
 
 
 # -- activation checkpointing -----------------------------------------------------------------

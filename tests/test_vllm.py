@@ -18,7 +18,7 @@ import rla_compile.integrations.vllm
 from rla_compile import bundled
 from rla_compile.tiny import tiny_causal_lm
 
-PROBE = Path(__file__).with_name("vllm_probe.py")
+PROBE = Path(__file__).parent / "probes" / "vllm_probe.py"
 # vLLM's CPU attention needs head_dim 32+: a slightly larger tiny model than the HF tests'.
 VLLM_TINY = dict(hidden_size=128, head_dim=32, intermediate_size=256, vocab_size=512, max_position_embeddings=256)
 
@@ -103,7 +103,7 @@ def test_rla_off_is_stock_vllm(models, tmp_path):
     assert aligned["runs"] != stock["runs"]  # and the pass does change the numerics
 
 
-ENV_PROBE = Path(__file__).with_name("vllm_env_probe.py")
+ENV_PROBE = Path(__file__).parent / "probes" / "vllm_env_probe.py"
 
 
 def _env_probe(tmp: Path, extra_env: dict, *args: str) -> dict:
@@ -221,7 +221,7 @@ def test_vllm_gpu_path_live(monkeypatch):
         for i, (gm, report) in enumerate(zip(pieces, rla.reports)):
             name = f"wrap_{wrap}_piece{i}"
             stored = (GRAPHS / f"{name}.py").read_text()
-            assert gm.code.strip() in stored, f"vLLM's {name} changed: rerun tests/vllm_graphs/capture.py"
+            assert gm.code.strip() in stored, f"vLLM's {name} changed: rerun tests/data/vllm_graphs/capture.py"
             sites, misses = EXPECTED[name]
             assert report.counts() == sites and counts(report.near_misses) == misses
             assert {s.status for s in report.sites} == {"rewritten"}

@@ -1,6 +1,6 @@
 """rla's vLLM pass on the graphs vLLM's GPU path hands a post-grad pass (no GPU, no vLLM needed).
 
-`tests/vllm_graphs/*.py` are real captures (see `capture.py` there): a Qwen3 decoder layer
+`tests/data/vllm_graphs/*.py` are real captures (see `capture.py` there): a Qwen3 decoder layer
 from vLLM's own layers, split at attention by vLLM's `split_graph`, each piece as vLLM's
 `PostGradPassManager` gives it to an added pass, with RMSNorm's IR torch wrapping on (vLLM's
 GPU default) and off (`compilation_config`). The pass is called the way the manager calls
@@ -20,7 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from rla_compile import Options
 from rla_compile.integrations.vllm import make_pass
 
-GRAPHS = Path(__file__).with_name("vllm_graphs")
+GRAPHS = Path(__file__).parent / "data" / "vllm_graphs"
 TOKENS = 7  # num_tokens, symbolic in the capture
 
 # piece -> (sites per kind, all rewritten; near misses per kind)

@@ -42,8 +42,9 @@ from typing import Any
 
 from packaging.version import Version
 
-from ..backend import pin_site_roundings
+from ..backend import keep_site_roundings
 from ..config import OptionError, Options
+from ..debug import record, snapshot, wants_graphs
 from ..engine import align
 from ..report import GraphReport
 
@@ -112,16 +113,13 @@ def _pass_class() -> type:
 
         def __call__(self, graph) -> None:
             gm = graph.owning_module
-            keep = self.options.debug_dir is not None
-            before = _texts(gm) if keep else None
+            before = snapshot(gm) if wants_graphs(self.options.debug_dir) else None
             report = align(gm, self.options, name=f"vllm_{len(self.reports)}", post_grad=True)
-            pin_site_roundings(graph)  # as the backend
+            keep_site_roundings(graph)  # as the backend
             self.reports.append(report)
             log.info("%s", report.summary())
-            if keep:
-                from ..debug import Rewrite, dump
-
-                dump(self.options.debug_dir, Rewrite(report, before[0], _texts(gm)[0], before[1], _texts(gm)[1]))
+            if before is not None:
+                record(report, before, gm, self.options.debug_dir)
 
         def uuid(self) -> str:
             # A cache hit skips post-grad passes entirely (no report, no dump). So debug, which
@@ -152,13 +150,6 @@ def _pass_class() -> type:
 
 def is_rla_pass(value: Any) -> bool:
     return _PASS_CLASS is not None and isinstance(value, _PASS_CLASS)
-
-
-def _texts(gm) -> tuple[str, str]:
-    from ..debug import python_source
-    from ..printer import format_graph
-
-    return format_graph(gm), python_source(gm)
 
 
 def compilation_config(**options: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops import dtype_name
 from .stacks import DTYPES, Stack, hf_logits, hf_runner, run_vllm_worker, score
 
 __all__ = ["Point", "Localisation", "localise", "ulp_distance"]
@@ -229,7 +230,7 @@ def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path 
     for (name, kind, x), (_, _, y) in zip(first, second):
         distance = ulp_distance(x, y)
         replay = [float(ulp_distance(t, ref[name]).max()) if name in ref else None for t, ref in ((x, refs[0]), (y, refs[1]))]
-        result.points.append(Point(name, kind, str(x.dtype).removeprefix("torch."), float(distance.max()),
+        result.points.append(Point(name, kind, dtype_name(x.dtype), float(distance.max()),
                                    float((distance > 0).double().mean()), float((x.double() - y.double()).abs().max()),
                                    *replay))
     if check_unchanged:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..sites import DEFAULT_SITES, SITE_KINDS
+from ..sites import DEFAULT_SITES, check_site_names
 
-__all__ = ["Stack", "hf_runner", "hf_logits", "hf_logprobs", "vllm_logprobs", "score", "has_vllm"]
+__all__ = ["Stack", "hf_runner", "hf_logits", "hf_logprobs", "vllm_logprobs", "score", "has_vllm", "require_vllm"]
 
 HF_COMPILERS = ("eager", "aot_eager", "inductor")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -47,9 +47,7 @@ class Stack:
         if self.compiler not in compilers:
             raise ValueError(f"engine {self.engine!r} has no compiler {self.compiler!r}: use one of {compilers}")
         if self.sites is not None:
-            unknown = sorted(set(self.sites) - set(SITE_KINDS))
-            if unknown:
-                raise ValueError(f"unknown sites {unknown}: valid sites are {list(SITE_KINDS)}")
+            check_site_names(self.sites, f"+rla[...] of stack {self.engine}-{self.compiler}")
             if self.compiler == "eager":
                 fix = "'aot_eager' (compiled, eager kernels)" if self.engine == "hf" else "'inductor'"
                 raise ValueError(f"rla is a torch.compile rewrite: {self.engine} with compiler 'eager' cannot align sites; "
@@ -93,6 +91,14 @@ def has_vllm() -> bool:
     return True
 
 
+def require_vllm(what: str) -> None:
+    """Fail early, with the one install advice, when `what` needs vLLM and it is not installed."""
+    if not has_vllm():
+        from ..integrations.vllm import INSTALL
+
+        raise ImportError(f"{what} needs vLLM: {INSTALL}")
+
+
 def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None) -> dict:
     """{"logprobs": [B, T-1, V] fp32 log-distributions of positions 1..T-1, "reports": [...]}."""
     if stack.engine == "hf":
@@ -102,12 +108,12 @@ def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path 
 
 def hf_runner(stack: Stack, model):
     """The callable that runs `model` as `stack` says, and the rla backend (None when off)."""
-    from ..backend import backend as rla_backend
+    from ..backend import backend
 
     model.train(stack.train)
     model.requires_grad_(stack.train)
     if stack.sites is not None:
-        rla = rla_backend(inner=stack.compiler, sites=list(stack.sites))
+        rla = backend(inner=stack.compiler, sites=list(stack.sites))
         return torch.compile(model, backend=rla), rla
     if stack.compiler == "eager":
         return model, None
@@ -144,10 +150,7 @@ def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch
                     workdir: Path | None = None) -> dict:
     """Run `python -m module REQUEST.json` for `stack` in a fresh process (in-process engine,
     fresh vLLM and Inductor caches) and return what it saved."""
-    if not has_vllm():
-        from ..integrations.vllm import INSTALL
-
-        raise ImportError(f"the vLLM stack needs vLLM: {INSTALL}")
+    require_vllm("the vLLM stack")
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
         request = {"model_dir": str(model_dir), "sequences": sequences.tolist(), "compiled": stack.compiler == "inductor",

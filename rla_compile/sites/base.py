@@ -18,6 +18,8 @@ class Match:
     low-precision dtype is *not* part of the region: it is the site's one rounding.
     `roles` names the interesting inputs (`x`, `weight`, `gate`, `up`, `cos`, ...).
     `rounds_outputs=False`: the outputs leave in fp32, not rounded (the logits site).
+    `recompute`: roles whose fp32 value the backward recomputes instead of saving it, with the
+    upcasts it reads and its rounding (the residual sum: see `engine.mark_recompute`).
     """
 
     kind: str
@@ -26,6 +28,7 @@ class Match:
     variant: str
     roles: dict[str, Node] = field(default_factory=dict)
     rounds_outputs: bool = True
+    recompute: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +41,7 @@ class Miss:
 
 
 class SiteMatcher(Protocol):
-    kind: str
+    kind: str | None  # None: a matcher that only reports near misses (sites/opaque.py)
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
         """Anchor nodes worth a closer look (cheap filter by op)."""

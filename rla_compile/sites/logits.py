@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch.fx import Graph, Node
 
-from .. import fx
+from .. import ops
 from .base import Match, Miss
 
 __all__ = ["LogitsMatcher", "HEAD_NAMES"]
@@ -43,17 +43,17 @@ def _consumers(linear: Node) -> tuple[set[Node], list[Node], list[Node]] | str:
             continue
         if user.op == "output":
             outputs.append(user)
-        elif fx.widens(user) and fx.dtype_of(user) == torch.float32:
+        elif ops.widens(user) and ops.dtype_of(user) == torch.float32:
             upcasts.append(user)
-        elif fx.moves_data(user) or (
-            fx.is_op(user, *_SCALAR_OPS)
+        elif ops.moves_data(user) or (
+            ops.is_op(user, *_SCALAR_OPS)
             and sum(isinstance(a, Node) for a in user.args) == 1
-            and fx.shape_of(user) == fx.shape_of(user.all_input_nodes[0])
+            and ops.shape_of(user) == ops.shape_of(user.all_input_nodes[0])
         ):
             region.add(user)
             frontier.extend(user.users)
         else:
-            return f"{fx.describe(user)} reads it in {_dtype(user.all_input_nodes[0])} ({fx.op_name(user)})"
+            return f"{ops.describe(user)} reads it in {_dtype(user.all_input_nodes[0])} ({ops.op_name(user)})"
     return region, upcasts, outputs
 
 
@@ -70,57 +70,72 @@ def _feeds_the_model(linear: Node, limit: int = 256) -> bool:
         if node in seen or node.op == "output":
             continue
         seen.add(node)
-        if fx.is_op(node, *_COMPUTE_OPS):
+        if ops.is_op(node, *_COMPUTE_OPS):
             return True
         frontier.extend(node.users)
     return bool(frontier)  # too far to tell: not a head
 
 
 def _dtype(node: Node) -> str:
-    return str(fx.dtype_of(node)).removeprefix("torch.")
+    return ops.dtype_name(ops.dtype_of(node))
 
 
 def _evidence(linear: Node, upcasts: list[Node]) -> str | None:
     """Why this linear is the vocabulary projection, or None."""
     def reaches_loss(node: Node, depth: int = 6) -> bool:
-        return depth > 0 and any(fx.is_op(u, *_LOSS_OPS) or reaches_loss(u, depth - 1) for u in node.users)
+        return depth > 0 and any(ops.is_op(u, *_LOSS_OPS) or reaches_loss(u, depth - 1) for u in node.users)
 
     if upcasts:
         return "logprobs" if any(reaches_loss(u) for u in upcasts) else "upcast"
-    if fx.module_path(linear).rsplit(".", 1)[-1] in HEAD_NAMES:
+    if ops.module_path(linear).rsplit(".", 1)[-1] in HEAD_NAMES:
         return "head"
     weight = linear.args[1]
-    if any(fx.is_op(u, "embedding") for u in getattr(weight, "users", ())):
+    if any(ops.is_op(u, "embedding") for u in getattr(weight, "users", ())):
         return "tied"
     return None
 
 
 class LogitsMatcher:
+    """The head from fp32 h and W; its output leaves in fp32, not rounded, and the model's own
+    upcast of it disappears (opt-in: `sites` must name "logits"). Before:
+
+        %linear: bf16[T, V] = aten.linear.default(%h, %w)
+        %to: fp32[T, V] = aten.to.dtype(%linear, fp32)
+        return [%to]
+
+    After:
+
+        %h_fp32: fp32[T, D] = aten._to_copy.default(%h, dtype=fp32)
+        %w_fp32: fp32[V, D] = aten._to_copy.default(%w, dtype=fp32)
+        %linear: fp32[T, V] = aten.linear.default(%h_fp32, %w_fp32)
+        return [%linear]
+    """
+
     kind = "logits"
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
-        return fx.call_nodes(graph, "linear")
+        return ops.call_nodes(graph, "linear")
 
     def match(self, anchor: Node) -> Match | Miss | None:
-        if len(anchor.args) < 2 or fx.shape_of(anchor.args[1]) is None or len(fx.shape_of(anchor.args[1])) != 2:
+        if len(anchor.args) < 2 or ops.shape_of(anchor.args[1]) is None or len(ops.shape_of(anchor.args[1])) != 2:
             return None
         if _feeds_the_model(anchor):
             return None  # an inner projection (or an MoE router): its output is computed on, not scored
         found = _consumers(anchor)
         if isinstance(found, str):
-            return Miss(self.kind, anchor, f"{fx.describe(anchor)}: the output of a head-like linear is consumed "
+            return Miss(self.kind, anchor, f"{ops.describe(anchor)}: the output of a head-like linear is consumed "
                         f"before any fp32 upcast: {found}; left as written")
         region, upcasts, outputs = found
         if not upcasts and not outputs:
             return None
         evidence = _evidence(anchor, upcasts)
         if evidence is None:
-            return Miss(self.kind, anchor, f"{fx.describe(anchor)}: a linear whose output leaves the graph, but nothing "
+            return Miss(self.kind, anchor, f"{ops.describe(anchor)}: a linear whose output leaves the graph, but nothing "
                         f"says it is the vocabulary projection (no fp32 upcast or log-softmax after it, module not "
                         f"named {'/'.join(HEAD_NAMES[:3])}, weight not tied to an embedding); left as written")
         variant = {"logprobs": "head, log-softmax", "upcast": "head, upcast", "head": "head",
                    "tied": "head, tied embedding"}[evidence]
         if region:
-            variant += ", soft-capped" if any(fx.is_op(n, "tanh") for n in region) else ""
+            variant += ", soft-capped" if any(ops.is_op(n, "tanh") for n in region) else ""
         return Match(self.kind, anchor, frozenset({anchor} | region), variant,
                      {"hidden": anchor.args[0], "weight": anchor.args[1]}, rounds_outputs=False)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from torch.fx import Graph, Node
 
-from .. import fx
+from .. import ops
 from .base import Miss
 
 __all__ = ["OpaqueNormMatcher", "OPAQUE_NORMS"]
@@ -35,13 +35,22 @@ _HOW = {
 
 
 class OpaqueNormMatcher:
-    kind = "rmsnorm"
+    """Finds no site: the graph stays as it is, and the report's near misses say why and what
+    to do. For
+
+        %rms_norm: bf16[T, D] = vllm_ir.rms_norm.default(%x, %w, 1e-06)
+
+    the near miss reads `rmsnorm: rms_norm at <module>: opaque vllm_ir.rms_norm.default computes the
+    whole norm in one op, out of reach: set vLLM's compilation_config ir_enable_torch_wrap=False ...`.
+    """
+
+    kind = None  # finds no site of its own: its near misses name the site each op hides
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
-        return fx.call_nodes(graph, *OPAQUE_NORMS)
+        return ops.call_nodes(graph, *OPAQUE_NORMS)
 
     def match(self, anchor: Node) -> Miss:
         op = str(anchor.target)  # vllm_ir.rms_norm.default
         how = _HOW.get(op.split(".")[0], "decompose it before the pass")
-        reason = f"{fx.describe(anchor)}: opaque {op} computes the whole norm in one op, out of reach: {how}"
-        return Miss(OPAQUE_NORMS[fx.op_name(anchor)], anchor, reason)
+        reason = f"{ops.describe(anchor)}: opaque {op} computes the whole norm in one op, out of reach: {how}"
+        return Miss(OPAQUE_NORMS[ops.op_name(anchor)], anchor, reason)

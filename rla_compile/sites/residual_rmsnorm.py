@@ -4,6 +4,11 @@ The contract: the norm reads the fp32 sum, and the residual stream gets round(s)
 rounding. HF rounds s to bf16 first and normalises the rounded sum; vLLM's native fused
 add+norm normalises the fp32 sum. Matching is RMSNorm's plus one step up: the normalised value
 is a low-precision add of two same-shape tensors.
+
+The fp32 sum is recomputed in the backward, not saved (`Match.recompute`): saved, it costs 4
+bytes per element where the original saved its bf16 sum (2). Recomputed, the backward reads
+the two bf16 addends; the residual stream each sum is rounded into is recomputed too, so the
+stream costs the block outputs (2 bytes per element each), what the original saved.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from collections.abc import Iterable
 
 from torch.fx import Graph, Node
 
-from .. import fx
+from .. import ops
 from .base import Match, Miss
 from .rmsnorm import RMSNormMatcher, find_rmsnorm
 
@@ -20,16 +25,36 @@ __all__ = ["ResidualRMSNormMatcher"]
 
 
 def _is_residual_add(node: Node) -> bool:
-    if not fx.is_op(node, "add") or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+    if not ops.is_op(node, "add") or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
         return False
     h, r = node.args
     return all(
-        isinstance(t, Node) and fx.shape_of(t) == fx.shape_of(node) and fx.dtype_of(t) is not None
+        isinstance(t, Node) and ops.shape_of(t) == ops.shape_of(node) and ops.dtype_of(t) is not None
         for t in (h, r)
     )
 
 
 class ResidualRMSNormMatcher:
+    """`h = x + residual; y = rmsnorm(h)`, one site with two outputs: the sum is computed in
+    fp32 and rounded once for the residual stream, and the norm reads the fp32 sum. Before:
+
+        %add: bf16[T, D] = aten.add.Tensor(%x, %residual)
+        %to: fp32[T, D] = aten.to.dtype(%add, fp32)
+        ... the norm, as in RMSNormMatcher ...
+        %mul_1: bf16[T, D] = aten.mul.Tensor(%w, %to_1)
+        return [%mul_1, %add]
+
+    After:
+
+        %add: fp32[T, D] = aten.add.Tensor(%x_fp32, %residual_fp32)
+        %add_rounded: bf16[T, D] = aten._to_copy.default(%add, dtype=bf16)  # rla: round residual_rmsnorm
+        %pow_1: fp32[T, D] = aten.pow.Tensor_Scalar(%add, 2)
+        ... the norm in fp32 ...
+        %mul_1: fp32[T, D] = aten.mul.Tensor(%w_fp32, %mul)
+        %mul_1_rounded: bf16[T, D] = aten._to_copy.default(%mul_1, dtype=bf16)  # rla: round residual_rmsnorm
+        return [%mul_1_rounded, %add_rounded]
+    """
+
     kind = "residual_rmsnorm"
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
@@ -43,4 +68,4 @@ class ResidualRMSNormMatcher:
         roles = {"x": add, "residual": add.args[0], "update": add.args[1]}
         if norm.weight is not None:
             roles["weight"] = norm.weight
-        return Match(self.kind, anchor, frozenset(norm.nodes | {add}), norm.variant, roles)
+        return Match(self.kind, anchor, frozenset(norm.nodes | {add}), norm.variant, roles, recompute=("x",))

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from torch.fx import Graph, Node
 
-from .. import fx
+from .. import ops
 from .base import Match, Miss
 
 __all__ = ["RoPEMatcher"]
@@ -25,10 +25,10 @@ __all__ = ["RoPEMatcher"]
 
 def _last_dim_slice(node: object, source: Node | None = None) -> tuple[Node, int, int, int] | None:
     """slice(x, -1, start, end, step) -> (x, start, end, step), ends normalised to the dim size."""
-    if not fx.is_op(node, "slice"):
+    if not ops.is_op(node, "slice"):
         return None
     x = node.args[0]
-    shape = fx.shape_of(x)
+    shape = ops.shape_of(x)
     if shape is None or source is not None and x is not source:
         return None
     defaults = {"dim": 0, "start": None, "end": None, "step": 1}
@@ -50,14 +50,14 @@ def _rotate_half(cat: Node) -> tuple[Node, set[Node], str] | None:
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
         return None
     neg, lo = tensors
-    if not fx.is_op(neg, "neg"):
+    if not ops.is_op(neg, "neg"):
         return None
     hi = _last_dim_slice(neg.args[0])
     low = _last_dim_slice(lo)
     if hi is None or low is None or hi[0] is not low[0]:
         return _rotate_chunked_halves(cat, neg, lo)
-    x, size = hi[0], fx.shape_of(hi[0])[-1]
-    if dim % len(fx.shape_of(cat)) != len(fx.shape_of(cat)) - 1:
+    x, size = hi[0], ops.shape_of(hi[0])[-1]
+    if dim % len(ops.shape_of(cat)) != len(ops.shape_of(cat)) - 1:
         return None
     half = size // 2 if isinstance(size, int) else None
     if (low[1], low[3], hi[3]) != (0, 1, 1) or (half is not None and (low[2] != half or hi[1] != half or hi[2] != size)):
@@ -66,14 +66,15 @@ def _rotate_half(cat: Node) -> tuple[Node, set[Node], str] | None:
 
 
 def _rotate_chunked_halves(cat: Node, neg: Node, lo: Node) -> tuple[Node, set[Node], str] | None:
-    """cat([-x2, x1], -1) with x1, x2 = x.chunk(2, -1) (ESM's rotate_half) -> (x, nodes, "neox")."""
+    """cat([-x2, x1], -1) with x1, x2 = x.chunk(2, -1) (ESM's rotate_half) or
+    x.view(..., 2, h/2).unbind(-2) (OLMo-core's) -> (x, nodes, "neox")."""
     hi, low = _pair_part(neg.args[0]), _pair_part(lo)
     if hi is None or low is None or (hi[1:], low[1:]) != (("halves", 1), ("halves", 0)) or hi[0] is not low[0]:
         return None
-    shape = fx.shape_of(cat)
+    shape = ops.shape_of(cat)
     if (cat.args[1] if len(cat.args) > 1 else 0) % len(shape) != len(shape) - 1:
         return None
-    nodes = {cat, neg, neg.args[0], lo} | {p.args[0] for p in (neg.args[0], lo) if fx.is_op(p, "getitem")}
+    nodes = {cat, neg, neg.args[0], lo} | _part_nodes(neg.args[0]) | _part_nodes(lo)
     return hi[0], nodes, "neox"
 
 
@@ -83,7 +84,7 @@ def _rotate_interleaved(stack: Node) -> tuple[Node, Node, set[Node], str] | None
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
         return None
     neg, even = tensors
-    if not fx.is_op(neg, "neg"):
+    if not ops.is_op(neg, "neg"):
         return None
     odd = _last_dim_slice(neg.args[0])
     ev = _last_dim_slice(even)
@@ -93,39 +94,80 @@ def _rotate_interleaved(stack: Node) -> tuple[Node, Node, set[Node], str] | None
         return None
     (flat,) = stack.users
     x = odd[0]
-    if not fx.is_op(flat, "flatten", "view", "reshape", "_unsafe_view") or fx.shape_of(flat) != fx.shape_of(x):
+    if not ops.is_op(flat, "flatten", "view", "reshape", "_unsafe_view") or ops.shape_of(flat) != ops.shape_of(x):
         return None
     return x, flat, {stack, neg, neg.args[0], even, flat}, "gptj"
 
 
 def _products(node: object) -> list[tuple[Node, Node]] | None:
     """a*b +/- c*d -> [(a, b), (c, d)] of tensor operands, else None."""
-    if not fx.is_op(node, "add", "sub") or len(node.args) != 2:
+    if not ops.is_op(node, "add", "sub") or len(node.args) != 2:
         return None
     pairs = []
     for term in node.args:
-        if not fx.is_op(term, "mul") or len(term.args) != 2 or not all(isinstance(a, Node) for a in term.args):
+        if not ops.is_op(term, "mul") or len(term.args) != 2 or not all(isinstance(a, Node) for a in term.args):
             return None
         pairs.append(tuple(term.args))
     return pairs
 
 
+def _halves_of(view: Node) -> Node | None:
+    """x for view = x.view(..., 2, h/2) (the halves of x's last dim stacked on a new dim)."""
+    if not ops.is_op(view, "view", "reshape", "_unsafe_view", "unflatten"):
+        return None
+    x, shape, whole = view.args[0], ops.shape_of(view), ops.shape_of(view.args[0])
+    if shape is None or whole is None or len(shape) != len(whole) + 1 or shape[-2] != 2:
+        return None
+    if tuple(shape[:-2]) != tuple(whole[:-1]) or not isinstance(whole[-1], int) or whole[-1] != 2 * shape[-1]:
+        return None
+    return x
+
+
+def _picked(node: Node) -> tuple[Node, int, int] | None:
+    """(source, dim, index) for select(source, dim, index) or unbind(source, dim)[index]."""
+    if ops.is_op(node, "select") and len(node.args) == 3:
+        return node.args
+    if ops.is_op(node, "getitem") and ops.is_op(node.args[0], "unbind"):
+        pieces = node.args[0]
+        dim = pieces.args[1] if len(pieces.args) > 1 else pieces.kwargs.get("dim", 0)
+        return pieces.args[0], dim, node.args[1]
+    return None
+
+
+def _part_nodes(part: Node) -> set[Node]:
+    """The nodes between one half of a pair and the tensor it is taken from: the chunk, split or
+    unbind it indexes, and the view that stacks the halves (excluding the part itself)."""
+    nodes = set()
+    if ops.is_op(part, "getitem"):
+        nodes.add(part.args[0])
+        part = part.args[0]
+    if ops.is_op(part, "select", "unbind") and _halves_of(part.args[0]) is not None:
+        nodes.add(part.args[0])
+    return nodes
+
+
 def _pair_part(node: Node) -> tuple[Node, str, int] | None:
     """One half of a pair: (whole, layout, which) for x[..., 0::2] / x[..., 1::2] ("interleaved"),
-    the first/second half of x ("halves"), or xs[..., 0] / xs[..., 1] of xs = x.reshape(..., -1, 2)
+    the first/second half of x ("halves": slices, chunk/split, or OLMo-core's
+    x.view(..., 2, h/2).unbind(-2)), or xs[..., 0] / xs[..., 1] of xs = x.reshape(..., -1, 2)
     ("pairs")."""
-    if fx.is_op(node, "select") and len(node.args) == 3:
-        whole, dim, index = node.args
-        shape = fx.shape_of(whole)
-        if shape and dim % len(shape) == len(shape) - 1 and shape[-1] == 2 and index in (0, 1):
+    picked = _picked(node)
+    if picked is not None:
+        whole, dim, index = picked
+        shape = ops.shape_of(whole)
+        if not shape or not isinstance(dim, int) or index not in (0, 1):
+            return None
+        if dim % len(shape) == len(shape) - 1 and shape[-1] == 2:
             return whole, "pairs", index
+        if dim % len(shape) == len(shape) - 2 and (x := _halves_of(whole)) is not None:
+            return x, "halves", index
         return None
-    if fx.is_op(node, "getitem") and fx.is_op(node.args[0], "chunk", "split") and node.args[1] in (0, 1):
+    if ops.is_op(node, "getitem") and ops.is_op(node.args[0], "chunk", "split") and node.args[1] in (0, 1):
         pieces = node.args[0]
         whole, dim = pieces.args[0], pieces.args[2] if len(pieces.args) > 2 else 0
-        shape = fx.shape_of(whole)
+        shape = ops.shape_of(whole)
         size = shape[-1] if shape else None
-        two = pieces.args[1] == 2 if fx.is_op(pieces, "chunk") else isinstance(size, int) and pieces.args[1] * 2 == size
+        two = pieces.args[1] == 2 if ops.is_op(pieces, "chunk") else isinstance(size, int) and pieces.args[1] * 2 == size
         if shape and dim % len(shape) == len(shape) - 1 and two:
             return whole, "halves", node.args[1]
         return None
@@ -133,7 +175,7 @@ def _pair_part(node: Node) -> tuple[Node, str, int] | None:
     if part is None:
         return None
     whole, start, end, step = part
-    size = fx.shape_of(whole)[-1]
+    size = ops.shape_of(whole)[-1]
     if step == 2 and start in (0, 1):
         return whole, "interleaved", start
     if step == 1 and isinstance(size, int) and (start, end) in ((0, size // 2), (size // 2, size)):
@@ -142,7 +184,7 @@ def _pair_part(node: Node) -> tuple[Node, str, int] | None:
 
 
 def _same(a: Node, b: Node) -> bool:
-    return fx.same_value(fx.strip_casts(a), fx.strip_casts(b))
+    return ops.same_value(ops.strip_casts(a), ops.strip_casts(b))
 
 
 def _same_pairs(products: list, want: list) -> bool:
@@ -163,7 +205,7 @@ def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node]
     if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
         return None
     first, second = tensors
-    if not fx.is_op(first, "sub") or not fx.is_op(second, "add"):
+    if not ops.is_op(first, "sub") or not ops.is_op(second, "add"):
         return None
     p1, p2 = _products(first), _products(second)
     if p1 is None or p2 is None:
@@ -173,7 +215,7 @@ def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node]
             part1, part2 = _pair_part(x1), _pair_part(x2)
             if part1 is None or part2 is None or part1[1] != part2[1] or (part1[2], part2[2]) != (0, 1):
                 continue
-            if not fx.same_value(part1[0], part2[0]):
+            if not ops.same_value(part1[0], part2[0]):
                 continue
             # the second half must be x2*cos + x1*sin, the same values (possibly other nodes)
             if _same_pairs(p2, [(x2, cos), (x1, sin)]):
@@ -186,15 +228,15 @@ def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node]
     whole, layout = part1[:2]
     nodes = {anchor, first, second, *first.args, *second.args}
     parts = {t for term in (*first.args, *second.args) for t in term.args
-             if (part := _pair_part(t)) is not None and fx.same_value(part[0], whole)}
-    nodes |= parts | {p.args[0] for p in parts if fx.is_op(p, "getitem")}  # the chunk/split itself
+             if (part := _pair_part(t)) is not None and ops.same_value(part[0], whole)}
+    nodes |= parts | {n for p in parts for n in _part_nodes(p)}  # the chunk/split/unbind itself
     out = anchor
     if layout == "pairs":  # x.reshape(..., -1, 2) ... stack(-1).flatten(-2)
-        if not fx.is_op(whole, "view", "reshape", "_unsafe_view", "unflatten") or len(anchor.users) != 1:
+        if not ops.is_op(whole, "view", "reshape", "_unsafe_view", "unflatten") or len(anchor.users) != 1:
             return None
         (out,) = anchor.users
         x = whole.args[0]
-        if not fx.is_op(out, "flatten", "view", "reshape", "_unsafe_view") or fx.shape_of(out) != fx.shape_of(x):
+        if not ops.is_op(out, "flatten", "view", "reshape", "_unsafe_view") or ops.shape_of(out) != ops.shape_of(x):
             return None
         nodes |= {whole, out}
     else:
@@ -206,9 +248,9 @@ def _rotate_pairs(anchor: Node) -> tuple[Node, Node, set[Node], str, Node, Node]
 def _scaled(value: Node, x: Node) -> tuple[Node, Node] | None:
     """A user of `value` that multiplies it by another tensor -> (mul, the other tensor)."""
     for user in value.users:
-        if fx.is_op(user, "mul") and len(user.args) == 2 and value in user.args:
+        if ops.is_op(user, "mul") and len(user.args) == 2 and value in user.args:
             other = user.args[1] if user.args[0] is value else user.args[0]
-            if isinstance(other, Node) and fx.strip_casts(other) is not fx.strip_casts(x):
+            if isinstance(other, Node) and ops.strip_casts(other) is not ops.strip_casts(x):
                 return user, other
     return None
 
@@ -217,45 +259,82 @@ def _complex_rotation(real: Node) -> tuple[Node, set[Node], Node] | None:
     """view_as_real(view_as_complex(x.reshape(..., -1, 2)) * freqs).flatten(-2) -> (x, nodes, freqs):
     torchtitan's and Llama's reference RoPE, a complex multiply (complex64, so fp32 inside)."""
     product = real.args[0]
-    if not fx.is_op(product, "mul") or len(product.args) != 2:
+    if not ops.is_op(product, "mul") or len(product.args) != 2:
         return None
-    as_complex = next((a for a in product.args if fx.is_op(a, "view_as_complex")), None)
+    as_complex = next((a for a in product.args if ops.is_op(a, "view_as_complex")), None)
     if as_complex is None:
         return None
     freqs = product.args[1] if product.args[0] is as_complex else product.args[0]
     pairs = as_complex.args[0]
-    if not fx.is_op(pairs, "view", "reshape", "_unsafe_view", "unflatten") or len(real.users) != 1:
+    if not ops.is_op(pairs, "view", "reshape", "_unsafe_view", "unflatten") or len(real.users) != 1:
         return None
     x = pairs.args[0]
     (flat,) = real.users
-    if not fx.is_op(flat, "flatten", "view", "reshape", "_unsafe_view") or fx.shape_of(flat) != fx.shape_of(x):
+    if not ops.is_op(flat, "flatten", "view", "reshape", "_unsafe_view") or ops.shape_of(flat) != ops.shape_of(x):
         return None
     return x, {pairs, as_complex, product, real, flat}, freqs
 
 
 class RoPEMatcher:
+    """`x * cos + rotate(x) * sin`, per q and k: the rotation in fp32, rounded once (eager
+    rounds both products and the sum). Before, with neox's rotate_half (x: bf16[T, H]):
+
+        %mul: bf16[T, H] = aten.mul.Tensor(%x, %cos)
+        %slice_1: bf16[T, H/2] = aten.slice.Tensor(%x, 1, H/2, 9223372036854775807)
+        %neg: bf16[T, H/2] = aten.neg.default(%slice_1)
+        %slice_2: bf16[T, H/2] = aten.slice.Tensor(%x, 1, 0, H/2)
+        %cat: bf16[T, H] = aten.cat.default([%neg, %slice_2], -1)
+        %mul_1: bf16[T, H] = aten.mul.Tensor(%cat, %sin)
+        %add: bf16[T, H] = aten.add.Tensor(%mul, %mul_1)
+
+    After (x, cos and sin upcast once each):
+
+        %mul: fp32[T, H] = aten.mul.Tensor(%x_fp32, %cos_fp32)
+        %slice_1: fp32[T, H/2] = aten.slice.Tensor(%x_fp32, 1, H/2, 9223372036854775807)
+        ... neg, slice, cat in fp32 ...
+        %mul_1: fp32[T, H] = aten.mul.Tensor(%cat, %sin_fp32)
+        %add: fp32[T, H] = aten.add.Tensor(%mul, %mul_1)
+        %add_rounded: bf16[T, H] = aten._to_copy.default(%add, dtype=bf16)  # rla: round rope
+
+    When the graph computed cos/sin in fp32 and rounded them only to feed sites, the engine
+    removes that rounding instead of upcasting (the cast bypass).
+    """
+
     kind = "rope"
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
-        return fx.call_nodes(graph, "cat", "stack", "view_as_real")
+        return ops.call_nodes(graph, "cat", "stack", "view_as_real")
 
     def match(self, anchor: Node) -> Match | Miss | None:
-        if fx.is_op(anchor, "view_as_real"):
-            rotation = _complex_rotation(anchor)
-            if rotation is None:
-                return None
-            x, nodes, freqs = rotation
-            source = fx.strip_casts(x)
-            nodes |= fx.casts_between(x, source)
-            return Match(self.kind, anchor, frozenset(nodes), "complex", {"x": source, "freqs": freqs})
+        if ops.is_op(anchor, "view_as_real"):
+            return self._complex(anchor)
+        written_out = self._pairs(anchor)
+        return written_out if written_out is not None else self._rotated(anchor)
+
+    def _complex(self, anchor: Node) -> Match | None:
+        """x as complex pairs times freqs_cis (`_complex_rotation`)."""
+        rotation = _complex_rotation(anchor)
+        if rotation is None:
+            return None
+        x, nodes, freqs = rotation
+        source = ops.strip_casts(x)
+        nodes |= ops.casts_between(x, source)
+        return Match(self.kind, anchor, frozenset(nodes), "complex", {"x": source, "freqs": freqs})
+
+    def _pairs(self, anchor: Node) -> Match | None:
+        """The rotation written out per pair (`_rotate_pairs`)."""
         pairs = _rotate_pairs(anchor)
-        if pairs is not None:
-            x, _, nodes, layout, cos, sin = pairs
-            variant = {"interleaved": "interleaved pairs", "halves": "pairs of halves", "pairs": "pairs"}[layout]
-            source = fx.strip_casts(x)
-            nodes |= fx.casts_between(x, source)
-            return Match(self.kind, anchor, frozenset(nodes), variant, {"x": source, "cos": cos, "sin": sin})
-        neox = _rotate_half(anchor) if fx.is_op(anchor, "cat") else None
+        if pairs is None:
+            return None
+        x, _, nodes, layout, cos, sin = pairs
+        variant = {"interleaved": "interleaved pairs", "halves": "pairs of halves", "pairs": "pairs"}[layout]
+        source = ops.strip_casts(x)
+        nodes |= ops.casts_between(x, source)
+        return Match(self.kind, anchor, frozenset(nodes), variant, {"x": source, "cos": cos, "sin": sin})
+
+    def _rotated(self, anchor: Node) -> Match | Miss | None:
+        """x * cos + rotate(x) * sin with rotate neox's `_rotate_half` or gptj's `_rotate_interleaved`."""
+        neox = _rotate_half(anchor) if ops.is_op(anchor, "cat") else None
         if neox is not None:
             x, nodes, variant = neox
             rotated = anchor
@@ -263,31 +342,31 @@ class RoPEMatcher:
             gptj = _rotate_interleaved(anchor)
             if gptj is None:
                 tensors = anchor.args[0] if anchor.args else ()
-                if isinstance(tensors, (list, tuple)) and any(fx.is_op(t, "neg") for t in tensors):
-                    where = fx.describe(anchor)
-                    return Miss(self.kind, anchor, f"{where}: {fx.op_name(anchor)} of a negated slice is not "
+                if isinstance(tensors, (list, tuple)) and any(ops.is_op(t, "neg") for t in tensors):
+                    where = ops.describe(anchor)
+                    return Miss(self.kind, anchor, f"{where}: {ops.op_name(anchor)} of a negated slice is not "
                                 "a rotation (want cat(-x[..., h:], x[..., :h]) or stack(-x[..., 1::2], x[..., ::2]))")
                 return None
             x, rotated, nodes, variant = gptj
-        where = fx.describe(anchor)
+        where = ops.describe(anchor)
         sin_mul = _scaled(rotated, x)
         if sin_mul is None:
             return Miss(self.kind, anchor, f"{where}: rotate(x) is not multiplied by a sin tensor")
-        source = fx.strip_casts(x)
+        source = ops.strip_casts(x)
         for user in sin_mul[0].users:
-            if not fx.is_op(user, "add") or len(user.args) != 2:
+            if not ops.is_op(user, "add") or len(user.args) != 2:
                 continue
             cos_side = user.args[1] if user.args[0] is sin_mul[0] else user.args[0]
-            if not fx.is_op(cos_side, "mul") or len(cos_side.args) != 2:
+            if not ops.is_op(cos_side, "mul") or len(cos_side.args) != 2:
                 continue
             a, b = cos_side.args
-            xs = [t for t in (a, b) if isinstance(t, Node) and fx.strip_casts(t) is source]
+            xs = [t for t in (a, b) if isinstance(t, Node) and ops.strip_casts(t) is source]
             if len(xs) != 1:
                 continue
             cos = b if xs[0] is a else a
             if not isinstance(cos, Node):
                 continue
-            nodes |= {sin_mul[0], cos_side, user} | fx.casts_between(xs[0], source) | fx.casts_between(x, source)
+            nodes |= {sin_mul[0], cos_side, user} | ops.casts_between(xs[0], source) | ops.casts_between(x, source)
             roles = {"x": source, "cos": cos, "sin": sin_mul[1]}
             return Match(self.kind, anchor, frozenset(nodes), variant, roles)
         return Miss(self.kind, anchor, f"{where}: rotate(x) * sin is not added to x * cos")

@@ -34,9 +34,30 @@ __all__ = [
     "describe",
     "source_line",
     "call_nodes",
+    "dtype_name",
 ]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# Printed graphs and site tables say bf16[2, 8, 64]; reports and notes torch's own bfloat16.
+_SHORT_DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "bool",
+}
+
+
+def dtype_name(dtype: torch.dtype | str, short: bool = False) -> str:
+    """"bfloat16" (torch's name, as reports keep it) or, `short`, "bf16" (printed graphs, site
+    tables). `dtype` may also be such a name, e.g. a report's."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+    name = str(dtype).removeprefix("torch.")
+    return _SHORT_DTYPE_NAMES.get(dtype, name) if short else name
 
 # Ops that only change dtype. `type_as` and `to.other` take their dtype from a second tensor;
 # all of them read the value to convert from args[0].
@@ -148,7 +169,7 @@ def casts_between(node: object, source: object) -> set[Node]:
 
 
 # Ops that only move data from args[0] (views, gathers, splits): rounding commutes with them.
-_MOVE_OPS = _VIEW_OPS | {"index", "index_select", "gather", "split", "split_with_sizes", "chunk", "getitem"}
+_MOVE_OPS = _VIEW_OPS | {"index", "index_select", "gather", "split", "split_with_sizes", "chunk", "unbind", "getitem"}
 
 
 def moves_data(node: object) -> bool:

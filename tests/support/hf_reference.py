@@ -1,5 +1,5 @@
 """An HF model run eagerly with every site replaced by the contract reference
-(tests/contract_reference.py), without rewriting the model's code:
+(tests/support/contract_reference.py), without rewriting the model's code:
 
 - RMSNorm modules: `forward` replaced by the reference norm; when the input is a residual sum
   made inside the layer, by the residual reference (the norm reads the fp32 sum).
@@ -102,14 +102,18 @@ def _apply_rotary_interleave(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
 
 
 @contextlib.contextmanager
-def contract_sites(model, kinds=("rmsnorm", "swiglu", "rope")):
-    """kinds: which sites to replace; "rmsnorm" covers plain and residual norms."""
+def contract_sites(model, kinds=("rmsnorm", "swiglu", "rope"), skip=()):
+    """kinds: which sites to replace; "rmsnorm" covers plain and residual norms. skip: modules
+    left as written (e.g. a norm outside the compiled graphs)."""
     config = model.config
     gemma = config.model_type.startswith("gemma")
     act = ACTS[getattr(config, "hidden_activation", None) or config.hidden_act]
     mode = ContractMode()
     patched = []
+    skipped = {id(m) for root in skip for m in root.modules()}
     for module in model.modules():
+        if id(module) in skipped:
+            continue
         name = type(module).__name__
         if name.endswith("RMSNorm") and "rmsnorm" in kinds:
             patched.append((module, "forward", _norm_forward(module, mode, gemma)))
@@ -124,12 +128,19 @@ def contract_sites(model, kinds=("rmsnorm", "swiglu", "rope")):
         patched.append((modeling, "apply_rotary_pos_emb", _apply_rotary))
     if "rope" in kinds and hasattr(modeling, "apply_rotary_pos_emb_interleave"):
         patched.append((modeling, "apply_rotary_pos_emb_interleave", _apply_rotary_interleave))
-    saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in patched]
+    with patched_under(mode, patched):
+        yield model
+
+
+@contextlib.contextmanager
+def patched_under(mode: ContractMode, patches: list[tuple[object, str, object]]):
+    """Set each (object, attribute, value) and run under `mode`; put everything back after."""
+    saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in patches]
     try:
-        for obj, attr, value in patched:
+        for obj, attr, value in patches:
             setattr(obj, attr, value)
         with mode:
-            yield model
+            yield
     finally:
         for obj, attr, value in saved:
             if value is None:

@@ -1,6 +1,6 @@
 """Regenerate the captured vLLM graphs in this folder (run with a vLLM install):
 
-    python tests/vllm_graphs/capture.py [OUT_DIR]
+    python tests/data/vllm_graphs/capture.py [OUT_DIR]
 
 What a post-grad pass sees on vLLM's GPU path, built on CPU from vLLM's own code: a Qwen3
 decoder layer written with vLLM's layers (RMSNorm with fused residual add, per-head q/k

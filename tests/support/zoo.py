@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 import handwritten
+from models import expected_sites
 from rla_compile.tiny import tiny_causal_lm
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
@@ -43,20 +44,6 @@ class Entry:
     notes: list[str] = field(default_factory=list)
 
 
-def _hf_expected(config) -> dict[str, int]:
-    layers, kind = config.num_hidden_layers, config.model_type
-    counts = {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers, "logits": 1}
-    if kind in ("qwen3", "qwen3_moe"):
-        counts["rmsnorm"] += 2 * layers  # q_norm, k_norm per head before RoPE
-    if kind == "gemma2":
-        counts["rmsnorm"] += 2 * layers  # sandwich: post-attention and post-feedforward norms
-    if kind == "deepseek_v3":
-        counts["rmsnorm"] += 2 * layers  # q_a_layernorm, kv_a_layernorm on the MLA latents
-        dense = config.first_k_dense_replace
-        counts["swiglu"] = dense + (layers - dense) * (1 + (config.n_shared_experts > 0))
-    return counts
-
-
 def _hf(family: str, **extra):
     def build():
         return tiny_causal_lm(family, **(FAMILIES[family] | extra))
@@ -72,10 +59,10 @@ def entries() -> list[Entry]:
     out = []
     for family, overrides in FAMILIES.items():
         config = AutoConfig.for_model(family, **(TINY_CONFIG | overrides))
-        out.append(Entry(family, _hf(family), _hf_expected(config), "hf"))
+        out.append(Entry(family, _hf(family), expected_sites(config, logits=True), "hf"))
     for name, family in LOOP_EXPERTS.items():
         config = AutoConfig.for_model(family, **(TINY_CONFIG | FAMILIES[family]))
-        expected = _hf_expected(config)
+        expected = expected_sites(config, logits=True)
         expected["swiglu"] = 0  # split by graph breaks: reported as partial sites, not rewritten
         out.append(Entry(name, _hf(family, experts_implementation="eager"), expected, "hf",
                          ["experts_implementation='eager'"]))

@@ -256,6 +256,97 @@ def residual_norm_module(h, r, w):  # torchtitan: h = x + attn; ffn_norm(h) with
     return s, F.rms_norm(s, (D,), w, EPS)
 
 
+def norm_torchtune(x, w):  # torchtune: F.rms_norm(x.float(), bf16 scale): eps added in place
+    return F.rms_norm(x.float(), (D,), w, EPS).to(x.dtype)
+
+
+def norm_olmo_core(x, w):  # OLMo-core RMSNorm: weight.type_as(x) * x in fp32, one rounding
+    og = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return (w.type_as(x) * x).to(og)
+
+
+def norm_olmo_core_qwen(x, w):  # OLMo-core QwenRMSNorm: rounds before the weight, type_as
+    og = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    x = x.to(og)
+    return x * w.type_as(x)
+
+
+def rope_neox_unbind(q, cos, sin):  # OLMo-core: halves via view(..., 2, h/2).unbind(-2)
+    B, nh, t, hs = q.size()
+    q1, q2 = q.view(B, nh, t, 2, hs // 2).unbind(dim=-2)
+    return ((q * cos) + (torch.cat((-q2, q1), dim=-1) * sin)).to(q.dtype)
+
+
+def rope_neox_select(q, cos, sin):  # the same halves picked with select
+    B, nh, t, hs = q.size()
+    halves = q.view(B, nh, t, 2, hs // 2)
+    return q * cos + torch.cat((-halves[..., 1, :], halves[..., 0, :]), dim=-1) * sin
+
+
+def residual_norm_post_norm(h, r, w, m1, m2):  # OLMo2's post-norm block: h feeds its MLP, then the add
+    u1, u2 = F.linear(h, m1), F.linear(h, m2)
+    return u1, u2, norm_olmo_core(h + r, w)
+
+
+def residual_norm_post_norm_reference(h, r, w, m1, m2):
+    u1, u2 = F.linear(h, m1), F.linear(h, m2)
+    return u1, u2, ref.residual_rmsnorm(h, r, w, eps=EPS)[1]
+
+
+# Not in CASES: h's gradient sums three bf16 contributions outside the site, which Inductor
+# (unpinned) adds in fp32; tests/test_sites.py checks it on eager kernels.
+POST_NORM = Case("residual_norm_post_norm", "residual_rmsnorm", residual_norm_post_norm,
+                 lambda d: _post_norm(d), residual_norm_post_norm_reference, grads=(0, 1, 2, 3, 4))
+
+
+def _post_norm(dtype):
+    x, w = _x_w(dtype)
+    return x, (torch.randn(2, T, D) * 3).to(dtype), w, *(0.2 * torch.randn(2, D, D)).to(dtype).unbind(0)
+
+
+def residual_norm_gemma(h, r, w):  # Gemma's decoder layer: bf16 add, (1 + w) norm of the rounded sum
+    s = h + r
+    sf = s.float()
+    return s, (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 + w.float())).to(h.dtype)
+
+
+def residual_norm_gemma_reference(h, r, w):
+    s = h.float() + r.float()
+    return s.to(h.dtype), ref.rmsnorm(s, w, EPS, gemma=True, out_dtype=h.dtype)
+
+
+def _complex(x, freqs):  # torchtitan / Meta Llama: a complex multiply, complex64 inside
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x)
+
+
+def _q_freqs(dtype):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    freqs = torch.arange(T).float()[:, None] * inv_freq[None, :]
+    return torch.randn(2, HEADS, T, HEAD_DIM).to(dtype), torch.polar(torch.ones_like(freqs), freqs)
+
+
+def rope_complex_reference(q, freqs):  # the contract for a complex rotation: its fp32 formula, one rounding
+    x1, x2 = q.float()[..., 0::2], q.float()[..., 1::2]
+    c, s = freqs.real, freqs.imag
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).to(q.dtype)
+
+
+def rope_gpt_fast(q, cos, sin):  # gpt-fast / torchtune Llama 3: pairs of columns, fp32, bf16 cache
+    xs = q.float().reshape(*q.shape[:-1], -1, 2)
+    c, s = cos.float(), sin.float()
+    out = torch.stack([xs[..., 0] * c - xs[..., 1] * s, xs[..., 1] * c + xs[..., 0] * s], -1)
+    return out.flatten(-2).type_as(q)
+
+
+def rope_gpt_fast_reference(q, cos, sin):
+    return ref.rope_pairs(q, cos, sin, layout="interleaved").reshape(*q.shape[:-1], 2, -1).transpose(-1, -2).flatten(-2)
+
+
 # -- logits ------------------------------------------------------------------------------------
 V = 96  # vocabulary
 
@@ -287,6 +378,28 @@ def head_gathered(h, w, tokens):  # an RL trainer's logprob of the sampled token
 
 def head_gathered_reference(h, w, tokens):
     return ref.logits(h, w).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1).to(h.dtype)
+
+
+class _Projection(torch.nn.Module):
+    def forward(self, h, w):
+        return F.linear(h, w)
+
+
+class NamedHead(torch.nn.Module):
+    """A head known by its name only (litgpt, torchtitan: the loss runs outside the graph);
+    its logits leave the graph in fp32. `softcap`: Gemma 2's tanh soft-capping after it."""
+
+    def __init__(self, softcap=None):
+        super().__init__()
+        self.lm_head, self.softcap = _Projection(), softcap
+
+    def forward(self, h, w):
+        y = self.lm_head(h, w)
+        return y if self.softcap is None else torch.tanh(y / self.softcap) * self.softcap
+
+
+def head_upcast(h, w):  # the logits upcast, then used without a log-softmax in the graph
+    return F.linear(h, w).float() * 1.0
 
 
 def _h_w_tokens(dtype):
@@ -335,6 +448,21 @@ CASES = [
     Case("rope_hf_fp32_cos_sin", "rope", rope_hf, _q_k_positions, rope_hf_reference, count=2, grads=(0, 1)),
     Case("rope_hf_upcast_inside", "rope", rope_hf_upcast_inside, _q_k_positions, rope_hf_reference, count=2,
          grads=(0, 1)),
+    Case("norm_torchtune", "rmsnorm", norm_torchtune, _x_w, ref.rmsnorm, status="already_aligned", grads=(0, 1)),
+    Case("norm_olmo_core", "rmsnorm", norm_olmo_core, _x_w, ref.rmsnorm, status="already_aligned", grads=(0, 1)),
+    Case("norm_olmo_core_qwen", "rmsnorm", norm_olmo_core_qwen, _x_w, ref.rmsnorm, grads=(0, 1)),
+    Case("rope_neox_unbind", "rope", rope_neox_unbind, _q_cos_sin, ref.rope, grads=(0, 1, 2)),
+    Case("rope_neox_select", "rope", rope_neox_select, _q_cos_sin, ref.rope, grads=(0, 1, 2)),
+    Case("residual_norm_gemma", "residual_rmsnorm", residual_norm_gemma,
+         lambda d: (*_gemma_w(d)[:1], (torch.randn(2, T, D) * 3).to(d), _gemma_w(d)[1]),
+         residual_norm_gemma_reference, grads=(0, 1, 2)),
+    Case("rope_complex", "rope", _complex, _q_freqs, rope_complex_reference, status="already_aligned", grads=(0,)),
+    Case("rope_gpt_fast", "rope", rope_gpt_fast, _q_half_cos_sin, rope_gpt_fast_reference,
+         status="already_aligned", grads=(0, 1, 2)),
+    Case("head_named", "logits", NamedHead(), _h_w, ref.logits, grads=(0, 1)),
+    Case("head_named_softcapped", "logits", NamedHead(softcap=30.0), _h_w,
+         lambda h, w: ref.logits(h, w, softcap=30.0), grads=(0, 1)),
+    Case("head_upcast", "logits", head_upcast, _h_w, ref.logits, grads=(0, 1)),
     Case("head_logprobs", "logits", head_logprobs, _h_w, head_logprobs_reference, grads=(0, 1)),
     Case("head_softcapped", "logits", head_softcapped, _h_w, head_softcapped_reference, grads=(0, 1)),
     Case("head_gathered", "logits", head_gathered, _h_w_tokens, head_gathered_reference, grads=(0, 1)),

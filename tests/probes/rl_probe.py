@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_trl.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_trl.py"
 sys.argv = [str(EXAMPLE), *sys.argv[1:]]
 scope = runpy.run_path(str(EXAMPLE), run_name="__main__")
 

@@ -235,10 +235,14 @@ class _Builder:
         if weight != "gemma" and not w32 and not (residual and fp32_sum) and self.pick([False, False, True]):
             # F.rms_norm / nn.RMSNorm: fp32 inside, one rounding (the backend decomposes it)
             eps = self.pick([1e-06, 1e-05])
-            model.append(f"out = F.rms_norm({x}, ({D},), {w}, {eps})")
+            upcast_first = self.low and self.pick([False, True])  # torchtune: fp32 input, bf16 weight (eps added in place)
+            if upcast_first:
+                model.append(f"out = F.rms_norm({x}.float(), ({D},), {w}, {eps}).to({self.T})")
+            else:
+                model.append(f"out = F.rms_norm({x}, ({D},), {w}, {eps})")
             reference.append(f"out = ref.rmsnorm({x}, {w}, eps={eps}, out_dtype={self.T})")
             self.fork([*model, "h = out"], [*reference, "h = out"])
-            self._norm_done(residual, not residual, f"F.rms_norm weight={weight}")
+            self._norm_done(residual, not residual, f"F.rms_norm weight={weight} upcast_first={upcast_first}")
             return
         xf = {"float": f"{x}.float()", "to": f"{x}.to(torch.float32)", "none": x}[upcast]
         model.append(f"xf = {xf}")
@@ -249,13 +253,15 @@ class _Builder:
         if weight is None:
             model.append("out = " + (self.round_spelling(y, "h") if upcast != "none" else y))
         else:
-            scale = w if weight == "llama" else self.pick([f"(1 + {w})", f"({w} + 1)"])
+            w_as = self.pick([w, f"{w}.type_as(xl)"]) if weight == "llama" else w  # OLMo-core: w.type_as(x)
+            scale = w_as if weight == "llama" else self.pick([f"(1 + {w})", f"({w} + 1)"])
             if round_after:
                 scale32 = f"{w}.float()" if weight == "llama" else f"(1.0 + {w}.float())"
                 model.append("out = " + self.round_spelling(f"({y} * {scale32})", "h"))
             else:
                 yl = self.round_spelling(y, "h") if upcast != "none" else y
-                model.append(self.pick([f"out = {scale} * {yl}", f"out = {yl} * {scale}"]))
+                model.append(f"xl = {yl}")
+                model.append(self.pick(["out = {scale} * xl", "out = xl * {scale}"]).format(scale=scale))
         out_dtype = "torch.float32" if out_fp32 else self.T
         if eps is not None:
             reference.append(f"out = ref.rmsnorm({x}, {w}, eps={eps}, gemma={weight == 'gemma'}, out_dtype={out_dtype})")
@@ -360,7 +366,8 @@ class _Builder:
     def rope(self) -> None:
         d0, d1, D = self.shape
         H, hd = self.heads, self.head_dim
-        style = self.pick(["neox", "neox_chunk", "gptj", "pairs_interleaved", "pairs_halves", "pairs_gptfast", "complex"])
+        style = self.pick(["neox", "neox_chunk", "neox_unbind", "gptj", "pairs_interleaved", "pairs_halves",
+                           "pairs_gptfast", "complex"])
         two = self.pick([False, True])  # q and k: two sites sharing the tables
         partial = style in ("neox", "gptj") and self.pick([False, True])
         n = hd // 2 if partial or style.startswith("pairs") or style == "complex" else hd
@@ -395,8 +402,10 @@ class _Builder:
                 rot = self.pick([f"torch.cat((-{x}[..., {m // 2}:], {x}[..., :{m // 2}]), dim=-1)",
                                  f"torch.cat((-{x}[..., {x}.shape[-1] // 2:], {x}[..., : {x}.shape[-1] // 2]), dim=-1)"])
                 return [f"r = {rot}", "out = " + order.replace("x", x).replace("cos", cos).replace("sin", sin)]
-            if style == "neox_chunk":  # ESM's rotate_half
-                return [f"x1, x2 = {x}.chunk(2, dim=-1)", "r = torch.cat((-x2, x1), dim=-1)",
+            if style in ("neox_chunk", "neox_unbind"):  # ESM's rotate_half; OLMo-core's view(..., 2, h/2).unbind(-2)
+                halves = (f"{x}.chunk(2, dim=-1)" if style == "neox_chunk"
+                          else f"{x}.reshape(*{x}.shape[:-1], 2, {x}.shape[-1] // 2).unbind(-2)")
+                return [f"x1, x2 = {halves}", "r = torch.cat((-x2, x1), dim=-1)",
                         "out = " + order.replace("x", x).replace("cos", cos).replace("sin", sin)]
             if style == "gptj":
                 return [f"r = torch.stack((-{x}[..., 1::2], {x}[..., ::2]), dim=-1).flatten(-2)",
@@ -421,7 +430,7 @@ class _Builder:
                 if self.low and source == "fp32_table":  # fp32 tables promote: round back at the end
                     model.append(f"out = {self.round_spelling('out', t)}")
             tail = [f"{t}_out = torch.cat((out, {t}[..., {n}:]), dim=-1)" if partial else f"{t}_out = out"]
-            if style in ("neox", "neox_chunk", "gptj"):
+            if style in ("neox", "neox_chunk", "neox_unbind", "gptj"):
                 reference = [f"{t}_out = ref.rope({t}, cos, sin, style={layout!r}, rotary_dim={n})"]
             elif style in ("pairs_interleaved", "pairs_halves"):
                 reference = [f"{t}_out = ref.rope_pairs({t}, cos, sin, layout={style.removeprefix('pairs_')!r})"]
@@ -488,7 +497,7 @@ class _Builder:
             self.p.misses.append(miss)
         self.p.blocks.append(f"look-alike {name}")
         self.last_add = name in ("glu_added", "rope_wrong_half", "rope_neg_second", "rope_not_swapped", "rope_other_x",
-                                 "rope_half_scaled")
+                                 "rope_rot_times_x", "rope_half_scaled")
 
 
 def build(pick: Pick, blocks: int | None = None, lookalikes: bool = True) -> Program:

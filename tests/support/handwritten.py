@@ -1,6 +1,6 @@
 """Models written without transformers, the way people write them. Each runs either as
 written (`forward`) or with its sites replaced by the contract reference
-(`forward_contract`, from tests/contract_reference.py, independent of rla_compile).
+(`forward_contract`, from tests/support/contract_reference.py, independent of rla_compile).
 
 - GptFast: gpt-fast's model.py: `_norm(x.float()).type_as(x) * weight` (rounds mid-site), a
   RoPE cache stored in bf16 applied per pair in fp32 (already one rounding), SwiGLU.

@@ -1,0 +1,117 @@
+"""A mismatch measurement, start to end: sample the sequences once, score them with each
+configuration's trainer and inference stacks, compare (`measure`; `rla_compile.mismatch`
+re-exports everything here)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..machine import machine
+from ..progress import timed
+from ..report import GraphReport
+from ..sites import DEFAULT_SITES, SITE_KINDS
+from .metrics import compare_logprobs
+from .report import MismatchReport, Row
+from .stacks import Stack, has_vllm, require_vllm, score
+
+__all__ = ["TRAINER", "configurations", "default_stacks", "measure", "sample"]
+
+
+TRAINER = Stack("hf", "inductor", train=True)  # HF's training forward under torch.compile's default
+
+
+def sample(model_dir: Path, prompts: list[list[int]], new_tokens: int, seed: int = 0) -> torch.Tensor:
+    """Prompts + continuations sampled (temperature 1) from the bf16 model in eager mode: a
+    sampler outside every stack under test. [B, prompt + new_tokens]."""
+    from ..bundled import load
+
+    model = load(torch.bfloat16, model_dir).eval()
+    ids = torch.tensor(prompts)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+    return out
+
+
+def default_stacks(inference: str | None = None) -> tuple[Stack, Stack, str | None]:
+    """The trainer (HF, training forward, Inductor) and the inference stack: vLLM compiled when
+    installed, otherwise HF with eager kernels standing in (returned note says so)."""
+    trainer = TRAINER
+    if inference is None:
+        inference = "vllm" if has_vllm() else "hf"
+    if inference == "vllm":
+        require_vllm("inference stack 'vllm'")
+        return trainer, Stack("vllm", "inductor"), None
+    if inference == "hf":
+        from ..integrations.vllm import INSTALL
+
+        note = None if has_vllm() else (
+            "vLLM is not installed: the inference side is HF with eager kernels (aot_eager), not vLLM; "
+            f"install vLLM for the real thing: {INSTALL}")
+        return trainer, Stack("hf", "aot_eager"), note
+    raise ValueError(f"unknown inference stack {inference!r}: use 'vllm' or 'hf'")
+
+
+def configurations(ablation: bool) -> list[tuple[str, tuple | None, tuple | None]]:
+    """(label, trainer sites, inference sites) per row; None is rla off. rla off, on one side,
+    on both (the default sites), on both with the logits site too; with `ablation` also each
+    site alone on both sides."""
+    every = tuple(DEFAULT_SITES)
+    rows = [("rla off", None, None), ("rla on trainer only", every, None), ("rla on inference only", None, every),
+            ("rla on both", every, every), ("rla on both + logits", every + ("logits",), every + ("logits",))]
+    if ablation:
+        rows += [(f"{kind} only, both sides", (kind,), (kind,)) for kind in SITE_KINDS]
+    return rows
+
+
+def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = None, inference: Stack | str | None = None,
+            ablation: bool = False, rows: list[tuple[str, tuple | None, tuple | None]] | None = None,
+            prompts: int = 8, prompt_tokens: int = 32, new_tokens: int = 64, seed: int = 0,
+            say: Callable[[str], None] = lambda _: None) -> MismatchReport:
+    """Score the same sequences with `trainer` and `inference` under each configuration (rla
+    off / one side / both, or per site with `ablation`; or your own `rows` of (label, trainer
+    sites, inference sites), where a side may also be a whole `Stack`, e.g. an fp32 trainer
+    `Stack.parse("hf-inductor:float32:train")`) and compare them. Stacks are `Stack`s or their labels
+    ('hf-inductor:train'); `inference` may also be just 'vllm' or 'hf'. The rla setting of the
+    given stacks is replaced by each row's."""
+    from .. import bundled
+
+    model_dir = Path(model_dir or bundled.MODEL_DIR)
+    if inference is None or inference in ("vllm", "hf"):
+        default_trainer, inference, note = default_stacks(inference)
+    else:
+        default_trainer, note = TRAINER, None
+        inference = Stack.parse(inference) if isinstance(inference, str) else inference
+    trainer = Stack.parse(trainer) if isinstance(trainer, str) else trainer or default_trainer
+    report = MismatchReport(str(model_dir), prompts, prompt_tokens, prompts * new_tokens, notes=[note] if note else [],
+                            machine=machine())
+    with timed(say, f"sampling {prompts} continuations of {new_tokens} tokens from {model_dir.name} (HF, eager)"):
+        sequences = sample(model_dir, bundled.prompts(prompts, prompt_tokens), new_tokens, seed)
+    # the scored positions: each sampled token, predicted from everything before it
+    scored = slice(prompt_tokens - 1, None)
+    tokens = sequences[:, 1:][:, scored].reshape(-1)
+    cache: dict[Stack, torch.Tensor] = {}
+
+    def logprobs(stack: Stack) -> torch.Tensor:
+        if stack not in cache:
+            with timed(say, f"scoring with {stack.label}" + (" (engine start + compile)" if stack.engine == "vllm" else "")):
+                result = score(stack, model_dir, sequences)
+            cache[stack] = result["logprobs"][:, scored].reshape(-1, result["logprobs"].shape[-1])
+            if stack.sites is not None:
+                reports = [GraphReport.from_dict(r) for r in result["reports"]]
+                report.sites[stack.label] = GraphReport("all", [s for r in reports for s in r.sites]).counts("rewritten")
+        return cache[stack]
+
+    for label, train_sites, infer_sites in rows or configurations(ablation):
+        # a row's side is sites for the given stack, or a whole Stack of its own (e.g. an fp32 trainer)
+        t = train_sites if isinstance(train_sites, Stack) else trainer.with_sites(train_sites)
+        i = infer_sites if isinstance(infer_sites, Stack) else inference.with_sites(infer_sites)
+        lp_t, lp_i = logprobs(t), logprobs(i)
+        metrics = compare_logprobs(lp_t, lp_i, tokens)
+        delta = (lp_t.gather(-1, tokens[:, None]) - lp_i.gather(-1, tokens[:, None]))[:, 0].double()
+        report.rows.append(Row(label, t, i, metrics, delta.tolist()))
+    return report

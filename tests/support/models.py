@@ -1,0 +1,28 @@
+"""Test-side knowledge of the tiny models: what a config implies, written independently of
+the report."""
+
+from __future__ import annotations
+
+from rla_compile.tiny import tiny_causal_lm  # noqa: F401  (re-exported for the tests)
+
+
+def expected_sites(config, logits: bool = False) -> dict[str, int]:
+    """Sites per kind for a tiny HF config: the default sites, and with `logits` the head too.
+
+    Every layer has two norms that read a residual sum except the first layer's input norm;
+    the final norm reads the last sum. RoPE rotates q and k per layer; one gated MLP per layer;
+    Qwen3-style q/k norms add two plain norms per layer.
+    """
+    layers, kind = config.num_hidden_layers, config.model_type
+    counts = {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers}
+    if kind in ("qwen3", "qwen3_moe"):
+        counts["rmsnorm"] += 2 * layers  # q_norm, k_norm per head before RoPE
+    if kind == "gemma2":
+        counts["rmsnorm"] += 2 * layers  # sandwich: post-attention and post-feedforward norms
+    if kind == "deepseek_v3":
+        counts["rmsnorm"] += 2 * layers  # q_a_layernorm, kv_a_layernorm on the MLA latents
+        dense = config.first_k_dense_replace
+        counts["swiglu"] = dense + (layers - dense) * (1 + (config.n_shared_experts > 0))
+    if logits:
+        counts["logits"] = 1
+    return counts
