@@ -11,6 +11,7 @@ is reported with the ratios to plain Inductor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -40,13 +41,18 @@ def _workload(size: str, mode: str, backend, device: str = "cpu"):
     return step
 
 
-def measure(size: str, mode: str, reps: int, warmup: int = 2, device: str = "cpu") -> dict:
+def measure(size: str, mode: str, reps: int, warmup: int = 2, device: str = "cpu", variants=None,
+            compiling=None) -> dict:
+    """`variants`: name -> backend factory (default: `common.VARIANTS`, "inductor" first);
+    `compiling`: name -> a context manager factory held while that variant compiles."""
+    variants = variants or VARIANTS
     steps = {}
-    for name, make in VARIANTS.items():
+    for name, make in variants.items():
         torch._dynamo.reset()
         steps[name] = _workload(size, mode, make(), device)
-        for _ in range(warmup):
-            steps[name]()
+        with (compiling or {}).get(name, contextlib.nullcontext)():
+            for _ in range(warmup):  # the first call compiles (forward and backward)
+                steps[name]()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(reps):  # alternate, so load on the machine hits every variant alike
         for name, step in steps.items():
