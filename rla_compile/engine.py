@@ -264,7 +264,11 @@ class _Rewriter:
 
         if not self.post_grad:  # 4. what the backward recomputes (pre-dispatch: before autograd)
             for role in match.recompute:
-                mark_recompute(fp32_value.get(match.roles[role], match.roles[role]), set(upcasts.values()))
+                value = match.roles[role]
+                if value in region:
+                    mark_recompute(fp32_value.get(value, value), set(upcasts.values()))
+                elif upcasts.get(value, value) is not value:  # an input: upcast again, the bf16 value saved
+                    mark_recompute(upcasts[value], set())
 
 
 def mark_recompute(value: Node, upcasts: set[Node]) -> None:

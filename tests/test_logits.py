@@ -93,3 +93,29 @@ def test_tied_head_is_found_by_its_embedding():
 
     result = rla_compile.align_function(tied, _ids(96), torch.randn(96, 64).bfloat16(), sites=ALL)
     assert [(s.kind, s.variant) for s in result.report.sites] == [("logits", "head, tied embedding")]
+
+
+def test_the_backward_saves_bf16_h_and_w_not_their_fp32_copies():
+    """The head's fp32 upcasts of h and W are recomputed in the backward (`Match.recompute`):
+    it saves the bf16 values, so what the logits site adds to the saved tensors is at most
+    the logits themselves in fp32 instead of bf16 (before: also an fp32 copy of W)."""
+    model = tiny_causal_lm("llama", vocab_size=1024)
+    ids = _ids(1024)
+    saved = {}
+    for name, sites in (("default", list(rla_compile.DEFAULT_SITES)), ("logits", ALL)):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=rla_compile.backend(sites=sites))
+        compiled(ids, labels=ids, use_cache=False).loss.backward()  # compile forward and backward
+        tensors = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: tensors.append(t) or t, lambda t: t):
+            loss = compiled(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        saved[name] = tensors
+    torch._dynamo.reset()
+    weight, hidden = model.lm_head.weight, (*ids.shape, model.config.hidden_size)
+    fp32_copies = [tuple(t.shape) for t in saved["logits"]
+                   if t.dtype == torch.float32 and tuple(t.shape) in (tuple(weight.shape), hidden)]
+    assert fp32_copies == []
+    assert any(t.dtype == torch.bfloat16 and t.shape == weight.shape for t in saved["logits"])
+    nbytes = {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in saved.items()}
+    assert 0 < nbytes["logits"] - nbytes["default"] <= ids.numel() * weight.shape[0] * 2

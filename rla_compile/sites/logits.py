@@ -138,4 +138,5 @@ class LogitsMatcher:
         if region:
             variant += ", soft-capped" if any(ops.is_op(n, "tanh") for n in region) else ""
         return Match(self.kind, anchor, frozenset({anchor} | region), variant,
-                     {"hidden": anchor.args[0], "weight": anchor.args[1]}, rounds_outputs=False)
+                     {"hidden": anchor.args[0], "weight": anchor.args[1]}, rounds_outputs=False,
+                     recompute=("hidden", "weight"))  # the backward saves bf16 h and W, not their fp32 copies
