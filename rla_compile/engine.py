@@ -264,25 +264,19 @@ class _Rewriter:
 
         if not self.post_grad:  # 4. what the backward recomputes (pre-dispatch: before autograd)
             for role in match.recompute:
-                value = match.roles[role]
-                if value in region:
-                    mark_recompute(fp32_value.get(value, value), set(upcasts.values()))
-                elif upcasts.get(value, value) is not value:  # an input: upcast again, the bf16 value saved
-                    mark_recompute(upcasts[value], set())
+                upcast = upcasts.get(match.roles[role])
+                if upcast is not None and upcast is not match.roles[role]:  # not bypassed
+                    mark_recompute(upcast)
 
 
-def mark_recompute(value: Node, upcasts: set[Node]) -> None:
-    """Tag a site's fp32 `value`, the site's upcasts it reads and its output roundings for
-    recomputation in the backward (AOTAutograd's partitioner honours `meta["recompute"]`, the
-    tag activation checkpointing uses). The backward then saves what those read (bf16 tensors)
-    instead of the fp32 value; the recomputed ops are the forward's, so the values are the same
-    bits."""
+def mark_recompute(upcast: Node) -> None:
+    """Tag a site's fp32 upcast of an input for recomputation in the backward (AOTAutograd's
+    partitioner honours `meta["recompute"]`, the tag activation checkpointing uses): the
+    backward then saves the low-precision input instead of its fp32 copy, and upcasts it
+    again, exactly (the same bits)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    marked = [value] + [n for n in value.all_input_nodes if n in upcasts]
-    marked += [u for u in value.users if is_site_rounding(u)]
-    for node in marked:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    upcast.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 def _set_dtype(node: Node, dtype: torch.dtype) -> None:

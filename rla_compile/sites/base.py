@@ -18,9 +18,8 @@ class Match:
     low-precision dtype is *not* part of the region: it is the site's one rounding.
     `roles` names the interesting inputs (`x`, `weight`, `gate`, `up`, `cos`, ...).
     `rounds_outputs=False`: the outputs leave in fp32, not rounded (the logits site).
-    `recompute`: roles whose fp32 value the backward recomputes instead of saving it: a value
-    inside the region with the upcasts it reads and its rounding (the residual sum), or an
-    input's upcast (the head's fp32 h and W); see `engine.mark_recompute`.
+    `recompute`: input roles whose fp32 upcast the backward recomputes from the low-precision
+    value instead of saving the fp32 copy (the head's h and W); see `engine.mark_recompute`.
     """
 
     kind: str

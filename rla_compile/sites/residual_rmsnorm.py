@@ -5,10 +5,11 @@ rounding. HF rounds s to bf16 first and normalises the rounded sum; vLLM's nativ
 add+norm normalises the fp32 sum. Matching is RMSNorm's plus one step up: the normalised value
 is a low-precision add of two same-shape tensors.
 
-The fp32 sum is recomputed in the backward, not saved (`Match.recompute`): saved, it costs 4
-bytes per element where the original saved its bf16 sum (2). Recomputed, the backward reads
-the two bf16 addends; the residual stream each sum is rounded into is recomputed too, so the
-stream costs the block outputs (2 bytes per element each), what the original saved.
+What the backward saves is left to AOTAutograd's partitioner: it saves about what the
+original saves (1.00x the bytes, benchmarks/memory.py). Tagging the fp32 sum and the stream's
+rounding for recomputation (as an earlier version did) made each layer's backward recompute
+the whole residual stream from the embedding (a chain of roundings), 10% slower training at
+4 layers and growing with depth (benchmarks/results/residual_tags_cpu.json).
 """
 
 from __future__ import annotations
@@ -68,4 +69,4 @@ class ResidualRMSNormMatcher:
         roles = {"x": add, "residual": add.args[0], "update": add.args[1]}
         if norm.weight is not None:
             roles["weight"] = norm.weight
-        return Match(self.kind, anchor, frozenset(norm.nodes | {add}), norm.variant, roles, recompute=("x",))
+        return Match(self.kind, anchor, frozenset(norm.nodes | {add}), norm.variant, roles)
