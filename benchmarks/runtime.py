@@ -4,7 +4,7 @@ The same tiny Llama is compiled three ways: plain Inductor, rla (site roundings 
 default) and rla with `pin_rounding=True`. Repetitions alternate between them and the median
 is reported with the ratios to plain Inductor.
 
-    python benchmarks/runtime.py --json benchmarks/results/runtime_cpu.json
+    python benchmarks/runtime.py --runs 3 --json benchmarks/results/runtime_cpu.json
     python benchmarks/runtime.py --sizes small --modes inference --reps 1     # smoke
 """
 
@@ -80,8 +80,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=["inference", "training"])
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat the whole measurement in this many fresh processes and report the ratios' "
+                             "spread across them (on a shared CPU a ratio moves more between processes than "
+                             "between repetitions in one)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.runs > 1:
+        return _across_processes(args, argv if argv is not None else sys.argv[1:])
     results = []
     print(f"{'size':<8}{'mode':<11}" + "".join(f"{n + ' ms':>16}" for n in VARIANTS) + f"{'rla/ind':>10}{'pinned/ind':>12}"
           + f"{'rla/ind per round (IQR)':>26}")
@@ -94,6 +100,35 @@ def main(argv=None) -> list[dict]:
             iqr = r["round_ratio_quartiles"]["rla"]
             print(f"{size:<8}{mode:<11}{ms}{ratio['rla']:>10.3f}{ratio['rla pinned']:>12.3f}"
                   f"{f'{iqr[0]:.3f}-{iqr[1]:.3f}':>26}", flush=True)
+    write(args.json, results)
+    return results
+
+
+def _across_processes(args, argv: list[str]) -> list[dict]:
+    """Run this script once per run in a fresh process; per (size, mode), every run's result
+    and the median, min and max over the runs of each variant's ratio to plain Inductor."""
+    import json
+    import subprocess
+    import tempfile
+
+    passed = [a for i, a in enumerate(argv) if a not in ("--runs", "--json") and argv[i - 1] not in ("--runs", "--json")]
+    runs = []
+    for run in range(args.runs):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            print(f"-- run {run + 1} of {args.runs} (fresh process)", flush=True)
+            subprocess.run([sys.executable, __file__, *passed, "--json", out.name], check=True)
+            runs.append(json.loads(Path(out.name).read_text())["results"])
+    results = []
+    print(f"{'size':<8}{'mode':<11}{'rla/ind median (min-max) over runs':>38}{'pinned/ind median (min-max)':>32}")
+    for i, first in enumerate(runs[0]):
+        per_run = [r[i] for r in runs]
+        spread = {name: {"median": statistics.median(r["ratio_vs_inductor"][name] for r in per_run),
+                         "min": min(r["ratio_vs_inductor"][name] for r in per_run),
+                         "max": max(r["ratio_vs_inductor"][name] for r in per_run)} for name in VARIANTS}
+        results.append({"size": first["size"], "mode": first["mode"], "runs": per_run, "ratio_across_runs": spread,
+                        "ratio_vs_inductor": {name: spread[name]["median"] for name in VARIANTS}})
+        cells = [f"{spread[n]['median']:.3f} ({spread[n]['min']:.3f}-{spread[n]['max']:.3f})" for n in ("rla", "rla pinned")]
+        print(f"{first['size']:<8}{first['mode']:<11}{cells[0]:>38}{cells[1]:>32}", flush=True)
     write(args.json, results)
     return results
 

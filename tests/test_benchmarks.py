@@ -18,10 +18,23 @@ def _run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_runtime_smoke(tmp_path):
-    done = _run("runtime.py", "--sizes", "small", "--modes", "inference", "--reps", "1", "--json", "r.json", cwd=tmp_path)
+    """Two runs, each in a fresh process, and their spread."""
+    done = _run("runtime.py", "--sizes", "small", "--modes", "inference", "--reps", "1", "--runs", "2", "--json", "r.json",
+                cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (result,) = json.loads((tmp_path / "r.json").read_text())["results"]
     assert set(result["ratio_vs_inductor"]) == {"inductor", "rla", "rla pinned"}
+    assert len(result["runs"]) == 2
+    spread = result["ratio_across_runs"]["rla"]
+    assert spread["min"] <= spread["median"] <= spread["max"]
+
+
+def test_upcasts_before_after_smoke(tmp_path):
+    done = _run("upcasts_before_after.py", "--sizes", "small", "--modes", "training", "--reps", "1", "--json", "u.json",
+                cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (result,) = json.loads((tmp_path / "u.json").read_text())["results"]
+    assert set(result["ratio_vs_inductor"]) == {"inductor", "rla before", "rla after"}
 
 
 def test_memory_smoke(tmp_path):
