@@ -28,8 +28,8 @@ VARIANTS = {
 
 def model_and_tokens(size: str, device: str = "cpu", **overrides):
     cfg = dict(SIZES[size]) | overrides
-    batch, seq = cfg.pop("batch"), cfg.pop("seq")
-    model = tiny_causal_lm("llama", **cfg).to(device)
+    batch, seq, model_type = cfg.pop("batch"), cfg.pop("seq"), cfg.pop("model_type", "llama")
+    model = tiny_causal_lm(model_type, **cfg).to(device)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     return model, ids.to(device)
 

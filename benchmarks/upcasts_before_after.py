@@ -1,12 +1,17 @@
-"""Run time before and after one change, side by side in one run: how a site's rounded output
-is widened back to fp32 where the widening shares a kernel with the rounding (the residual
-stream the backward recomputes, once per layer; Qwen3's q/k norm feeding RoPE).
+"""Two ways to make an upcast read a site's rounded output, side by side in one run: where the
+upcast shares a kernel with the rounding (Qwen3's q/k norm feeding RoPE; the residual stream
+the backward recomputes), Inductor's C++ code generator, unpinned, would hand it the fp32
+value the rounding came from (its cse cache trick), so rla must make it read the rounded value.
 
-Unpinned, Inductor's C++ code generator would hand such a widening the fp32 value the rounding
-came from (its cse cache trick), so rla must make it read the rounded value. Before: the
-widening ran as an ATen call (a kernel of its own, writing an fp32 copy of the tensor). After:
-it widens through fp64 inside the reader's kernel (`backend._upcast_through_fp64`, exact; the
-cache only serves `convert<float>`). The "before" variant compiles with the old rule.
+- "rla (ATen upcasts)", what rla does: the upcast runs as an ATen call (a kernel of its own,
+  writing an fp32 copy of the tensor).
+- "rla (fp64 upcasts)", the alternative tried and measured here: the upcast widens through
+  fp64 (bf16 -> fp64 -> fp32, both exact) inside the reader's kernel; the cache only serves
+  `convert<float>(bf16)`. Fewer kernels, but at Qwen3-0.6B's width it made the fused q/k
+  norm + RoPE kernel about 3x slower (docs/performance.md), so rla does not use it.
+
+Sizes: the tiny Llamas of runtime.py, and "qwen3-width": 4 layers of Qwen3-0.6B's width
+(hidden 1024, 16/8 heads of 128, MLP 3072), vocabulary 8192, one sequence of 256 tokens.
 
     python benchmarks/upcasts_before_after.py --json benchmarks/results/upcasts_before_after_cpu.json
 """
@@ -14,53 +19,86 @@ cache only serves `convert<float>`). The "before" variant compiles with the old 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 from unittest import mock
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
+import common  # noqa: E402
 from common import SIZES, write  # noqa: E402
+from real_shape import QWEN3_0_6B  # noqa: E402
 from runtime import measure  # noqa: E402
 
 import rla_compile  # noqa: E402
 
 backend_module = sys.modules["rla_compile.backend"]
+QWEN3_WIDTH = {**{k: v for k, v in QWEN3_0_6B.items() if k not in ("rope_theta", "tie_word_embeddings")},
+               "num_hidden_layers": 4, "vocab_size": 8192, "batch": 1, "seq": 256, "model_type": "qwen3"}
 
 
-def _on_aten(graph, upcast) -> None:
-    upcast.meta["should_fallback"] = True
+def _through_fp64(graph, upcast) -> None:
+    """Instead of `should_fallback`: widen through fp64 in the reader's kernel."""
+    with graph.inserting_before(upcast):
+        wide = graph.call_function(torch.ops.prims.convert_element_type.default, (upcast.args[0], torch.float64))
+    wide.meta["val"] = upcast.args[0].meta["val"].to(torch.float64)
+    upcast.replace_input_with(upcast.args[0], wide)
+
+
+def _fp64_upcasts():
+    """`backend.keep_site_roundings` with fp64 widening where it would run an upcast on ATen."""
+
+    def keep_site_roundings(graph) -> None:
+        from torch._inductor import config as inductor_config
+
+        if inductor_config.emulate_precision_casts:
+            return original(graph)
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        for node in list(graph.nodes):
+            if backend_module.is_site_rounding(node):
+                node.meta["low_precision_pointwise_barrier"] = True
+                for upcast in backend_module._upcasts_of(node):
+                    if backend_module._kernel_apart(node, upcast, position):
+                        node.meta["inductor_realize_to_strides"] = True
+                    else:
+                        _through_fp64(graph, upcast)
+
+    original = backend_module.keep_site_roundings
+    return mock.patch.object(backend_module, "keep_site_roundings", keep_site_roundings)
 
 
 VARIANTS = {
     "inductor": lambda: "inductor",
-    "rla before": lambda: rla_compile.backend(),
-    "rla after": lambda: rla_compile.backend(),
+    "rla (ATen upcasts)": lambda: rla_compile.backend(),
+    "rla (fp64 upcasts)": lambda: rla_compile.backend(),
 }
-COMPILING = {"rla before": lambda: mock.patch.object(backend_module, "_upcast_through_fp64", _on_aten),
-             "rla after": contextlib.nullcontext}
+COMPILING = {"rla (fp64 upcasts)": _fp64_upcasts}
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    sizes = [*SIZES, "qwen3-width"]
+    parser.add_argument("--sizes", nargs="+", default=sizes, choices=sizes)
     parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=["inference", "training"])
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     from torch._inductor import config as inductor_config
 
     results = []
-    print(f"{'size':<8}{'mode':<11}{'inductor ms':>13}{'before/ind (IQR)':>24}{'after/ind (IQR)':>24}")
-    for size in args.sizes:
-        for mode in args.modes:
-            # caches off: the two rla variants share a cache key
-            with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
-                r = measure(size, mode, args.reps, variants=VARIANTS, compiling=COMPILING)
-            results.append(r)
-            ratio, iqr = r["ratio_vs_inductor"], r["round_ratio_quartiles"]
-            cells = [f"{ratio[n]:.3f} ({iqr[n][0]:.2f}-{iqr[n][1]:.2f})" for n in ("rla before", "rla after")]
-            print(f"{size:<8}{mode:<11}{r['median_s']['inductor'] * 1e3:>13.2f}{cells[0]:>24}{cells[1]:>24}", flush=True)
+    names = list(VARIANTS)[1:]
+    print(f"{'size':<13}{'mode':<11}{'inductor ms':>13}" + "".join(f"{n + ' / ind (IQR)':>34}" for n in names))
+    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}):
+        for size in args.sizes:
+            for mode in args.modes:
+                # caches off: the two rla variants share a cache key
+                with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
+                    r = measure(size, mode, args.reps, variants=VARIANTS, compiling=COMPILING)
+                results.append(r)
+                ratio, iqr = r["ratio_vs_inductor"], r["round_ratio_quartiles"]
+                cells = "".join(f"{f'{ratio[n]:.3f} ({iqr[n][0]:.2f}-{iqr[n][1]:.2f})':>34}" for n in names)
+                print(f"{size:<13}{mode:<11}{r['median_s']['inductor'] * 1e3:>13.2f}{cells}", flush=True)
     write(args.json, results)
     return results
 

@@ -64,9 +64,8 @@ class KeepSiteRounding(CustomGraphPass):
 def keep_site_roundings(graph: Graph) -> None:
     """What both compiled paths (this backend, vLLM's pass) do to a post-grad graph so that
     Inductor computes the contract: every site rounding carries the rounding barrier; unpinned,
-    upcasts of a rounded site output read the rounded value (`_upcasts_of`: stored before a
-    GEMM, or widened through fp64); pinned, the fp32 math a site rounds runs on ATen
-    (`pin_eager_math`)."""
+    upcasts of a rounded site output run on ATen (`_upcasts_of`); pinned, the fp32 math a site
+    rounds runs on ATen (`pin_eager_math`)."""
     from torch._inductor import config as inductor_config
 
     pinned = inductor_config.emulate_precision_casts  # pin_rounding, or the user's own setting
@@ -79,7 +78,7 @@ def keep_site_roundings(graph: Graph) -> None:
                     if _kernel_apart(node, upcast, position):
                         node.meta["inductor_realize_to_strides"] = True  # stored once, in bf16
                     else:
-                        _upcast_through_fp64(graph, upcast)
+                        upcast.meta["should_fallback"] = True
     if pinned:
         pin_eager_math(graph)
 
@@ -89,7 +88,8 @@ def _upcasts_of(rounding) -> list:
     output enters the next (RMSNorm -> RoPE). Unpinned, Inductor's CPU code generator caches
     the fp32 value a low-precision store came from and hands it to a load + upcast of that
     buffer in the same kernel, skipping the rounding (torch/_inductor/codegen/cpp.py,
-    `to_dtype`'s "cse cache trick", off only under emulate_precision_casts)."""
+    `to_dtype`'s "cse cache trick", off only under emulate_precision_casts). Running these
+    upcasts as ATen calls makes them read the stored bf16 values."""
     found, stack = [], list(rounding.users)
     while stack:
         user = stack.pop()
@@ -98,18 +98,6 @@ def _upcasts_of(rounding) -> list:
         elif ops.widens(user):
             found.append(user)
     return found
-
-
-def _upcast_through_fp64(graph: Graph, upcast) -> None:
-    """Widen a site's rounded output to fp32 through fp64 (both steps exact, so the value is
-    the same) inside the reader's kernel. The cache trick only serves the expression
-    `convert<float>(lowp)`, so `convert<double>(lowp)` reads the rounded bf16 value the store
-    holds. Before, these upcasts ran as ATen calls, each writing an fp32 copy of the tensor
-    (the recomputed residual stream in the backward, once per layer) in a kernel of its own."""
-    with graph.inserting_before(upcast):
-        wide = graph.call_function(torch.ops.prims.convert_element_type.default, (upcast.args[0], torch.float64))
-    wide.meta["val"] = upcast.args[0].meta["val"].to(torch.float64)
-    upcast.replace_input_with(upcast.args[0], wide)
 
 
 # Ops Inductor runs as kernels of their own (extern GEMMs and attention on CPU; on CUDA a GEMM
@@ -123,7 +111,8 @@ _KERNEL_BOUNDARIES = frozenset({
 
 def _kernel_apart(rounding, upcast, position: dict) -> bool:
     """Whether `upcast` of a site's rounded output can stay in Inductor's generated code
-    without any change to the upcast, provided the rounding is stored.
+    instead of running on ATen (which writes an fp32 copy of the tensor: the residual stream
+    entering the next residual site, once per layer), provided the rounding is stored.
 
     True when the upcast's one reader (the upcast is then inlined into the reader's kernel)
     also depends on a kernel boundary (a GEMM, attention) that depends on the value the
