@@ -34,7 +34,9 @@ def test_upcasts_before_after_smoke(tmp_path):
                 cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (result,) = json.loads((tmp_path / "u.json").read_text())["results"]
-    assert set(result["ratio_vs_inductor"]) == {"inductor", "rla before", "rla after"}
+    assert set(result["ratio_vs_inductor"]) == {"inductor", "rla (ATen upcasts)", "rla (fp64 upcasts)"}
+    times = result["times_s"]
+    assert max(times["inductor"]) < 50 * min(times["rla (fp64 upcasts)"])  # no compile inside the timed steps
 
 
 def test_memory_smoke(tmp_path):
