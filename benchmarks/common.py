@@ -61,6 +61,24 @@ def saved_bytes_of(step) -> int:
     return total
 
 
+def fresh_process_runs(script: str, argv: list[str], runs: int) -> list:
+    """Run `script` with `argv` (less its --runs and --json) once per run, each in a fresh
+    process, and return each run's "results": on a shared CPU a ratio moves more between
+    processes than between repetitions in one."""
+    import subprocess
+    import sys
+    import tempfile
+
+    passed = [a for i, a in enumerate(argv) if a not in ("--runs", "--json") and (i == 0 or argv[i - 1] not in ("--runs", "--json"))]
+    results = []
+    for run in range(runs):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            print(f"-- run {run + 1} of {runs} (fresh process)", flush=True)
+            subprocess.run([sys.executable, script, *passed, "--json", out.name], check=True)
+            results.append(json.loads(Path(out.name).read_text())["results"])
+    return results
+
+
 def write(path: str | None, results, device: str = "cpu") -> None:
     if path:
         Path(path).write_text(json.dumps({"machine": machine(device), "results": results}, indent=2) + "\n")

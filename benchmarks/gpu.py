@@ -3,7 +3,8 @@
     python benchmarks/gpu.py            # writes benchmarks/results/gpu.json
 
 Run time (inference and training step, small and medium, aligned vs unaligned, pinned and
-not), peak CUDA memory of the training step and saved-for-backward bytes, and compile time
+not), peak CUDA memory of the training step and saved-for-backward bytes, the residual stream
+saved vs recomputed (`residual_save.py`), and compile time
 with rla's share for 1-16 layers, and the real-shape comparison (`real_shape.py`, with and
 without the logits site, peak CUDA memory too). Each section prints as it goes; a failed section is
 recorded with its error instead of losing the others.
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import compile_time  # noqa: E402
 import memory  # noqa: E402
 import real_shape  # noqa: E402
+import residual_save  # noqa: E402
 import runtime  # noqa: E402
 from common import RESULTS, SIZES, VARIANTS, machine  # noqa: E402
 
@@ -30,7 +32,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA device; on CPU run runtime.py, memory.py, compile_time.py", file=sys.stderr)
         return 2
-    out = {"machine": machine("cuda"), "runtime": [], "memory": [], "compile_time": [], "real_shape": [], "errors": []}
+    out = {"machine": machine("cuda"), "runtime": [], "memory": [], "residual_save": [], "compile_time": [], "real_shape": [],
+           "errors": []}
 
     def section(name, fn):
         try:
@@ -46,6 +49,9 @@ def main() -> int:
             section("runtime", lambda: runtime.measure(size, mode, reps=30, warmup=3, device="cuda"))
         section("memory", lambda: {"size": size, "peak_bytes": {n: memory.cuda_peak_bytes(size, m()) for n, m in VARIANTS.items()},
                                    "saved_bytes": {n: memory.saved_bytes(size, m(), "cuda") for n, m in VARIANTS.items()}})
+        # Triton has no CPU-style cache of a rounded value, so recomputing the stream may cost nothing there
+        section("residual_save", lambda: residual_save.compare(size, 15, "cuda"))
+    section("residual_save", lambda: residual_save.compare("qwen3-width", 15, "cuda"))
     for layers in (1, 2, 4, 8, 16):
         section("compile_time", lambda: compile_time.measure(layers, "cuda"))
     section("real_shape", lambda: real_shape.measure(real_shape.main_args([]), "cuda"))  # Qwen3-0.6B's shape

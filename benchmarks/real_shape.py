@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rla_compile  # noqa: E402
-from common import saved_bytes_of, write  # noqa: E402
+from common import fresh_process_runs, saved_bytes_of, write  # noqa: E402
 from rla_compile.tiny import tiny_causal_lm  # noqa: E402
 from torch._inductor.utils import fresh_cache  # noqa: E402
 
@@ -172,15 +172,24 @@ def main_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="smoke runs: skip the untimed warm-up")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat the whole measurement in this many fresh processes and report the ratios' "
+                             "median and range across them (one compile per variant and run: compile times move "
+                             "by several percent between runs)")
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)
 
 
+COLUMNS = ("train_compile_s", "infer_compile_s", "train_median_s", "infer_median_s", "train_min_s", "infer_min_s",
+           "saved_bytes", "peak_rss_extra_mib")
+
+
 def main(argv=None) -> dict:
     args = main_args(argv)
+    if args.runs > 1:
+        return _across_processes(args, argv if argv is not None else sys.argv[1:])
     out = measure(args)
-    cols = ("train_compile_s", "infer_compile_s", "train_median_s", "infer_median_s", "train_min_s", "infer_min_s",
-            "saved_bytes", "peak_rss_extra_mib")
+    cols = COLUMNS
     print(f"{'variant':<14}" + "".join(f"{c:>20}" for c in cols))
     for name, r in out["variants"].items():
         print(f"{name:<14}" + "".join(f"{r[c]:>20.4g}" for c in cols))
@@ -192,6 +201,27 @@ def main(argv=None) -> dict:
             print(f"{name}: re-trace {r['train_rla_s']['retrace']:.2f} s + rewrite {r['train_rla_s']['rewrite']:.3f} s"
                   f" = {share:.1%} of the training compile; again on the inference recompile:"
                   f" re-trace {r['infer_rla_s']['retrace']:.2f} s + rewrite {r['infer_rla_s']['rewrite']:.3f} s")
+    write(args.json, out)
+    return out
+
+
+def _spread_cell(v: dict | None) -> str:
+    return f"{v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})" if v else "-"
+
+
+def _across_processes(args, argv: list[str]) -> dict:
+    """Every run's result, and per variant and column the median, min and max of the ratio to
+    plain Inductor over the runs."""
+    runs = fresh_process_runs(__file__, argv, args.runs)
+    spread = {name: {c: {f.__name__: f(r["ratio_vs_inductor"][name][c] for r in runs)
+                         for f in (statistics.median, min, max)} if runs[0]["ratio_vs_inductor"][name][c] is not None else None
+                     for c in COLUMNS} for name in runs[0]["ratio_vs_inductor"]}
+    print(f"ratio to plain Inductor, median (min-max) of {len(runs)} runs")
+    print(f"{'variant':<14}" + "".join(f"{c:>22}" for c in COLUMNS))
+    for name, cells in spread.items():
+        print(f"{name + ' / ind':<14}" + "".join(f"{_spread_cell(v):>22}" for v in cells.values()))
+    out = {"runs": runs, "ratio_across_runs": spread,
+           "ratio_vs_inductor": {n: {c: v["median"] if v else None for c, v in cells.items()} for n, cells in spread.items()}}
     write(args.json, out)
     return out
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, VARIANTS, model_and_tokens, train_step, write  # noqa: E402
+from common import SIZES, VARIANTS, fresh_process_runs, model_and_tokens, train_step, write  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -110,17 +110,7 @@ def main(argv=None) -> list[dict]:
 def _across_processes(args, argv: list[str]) -> list[dict]:
     """Run this script once per run in a fresh process; per (size, mode), every run's result
     and the median, min and max over the runs of each variant's ratio to plain Inductor."""
-    import json
-    import subprocess
-    import tempfile
-
-    passed = [a for i, a in enumerate(argv) if a not in ("--runs", "--json") and argv[i - 1] not in ("--runs", "--json")]
-    runs = []
-    for run in range(args.runs):
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            print(f"-- run {run + 1} of {args.runs} (fresh process)", flush=True)
-            subprocess.run([sys.executable, __file__, *passed, "--json", out.name], check=True)
-            runs.append(json.loads(Path(out.name).read_text())["results"])
+    runs = fresh_process_runs(__file__, argv, args.runs)
     results = []
     print(f"{'size':<8}{'mode':<11}{'rla/ind median (min-max) over runs':>38}{'pinned/ind median (min-max)':>32}")
     for i, first in enumerate(runs[0]):

@@ -1,19 +1,23 @@
-"""Two ways to make an upcast read a site's rounded output, side by side in one run: where the
-upcast shares a kernel with the rounding (Qwen3's q/k norm feeding RoPE; the residual stream
-the backward recomputes), Inductor's C++ code generator, unpinned, would hand it the fp32
-value the rounding came from (its cse cache trick), so rla must make it read the rounded value.
+"""Three ways to make an upcast read a site's rounded output, side by side in one run: where
+the upcast shares a kernel with the rounding (Qwen3's q/k norm feeding RoPE), Inductor's C++
+code generator, unpinned, would hand it the fp32 value the rounding came from (its cse cache
+trick), so rla must make it read the rounded value.
 
-- "rla (ATen upcasts)", what rla does: the upcast runs as an ATen call (a kernel of its own,
-  writing an fp32 copy of the tensor).
-- "rla (fp64 upcasts)", the alternative tried and measured here: the upcast widens through
-  fp64 (bf16 -> fp64 -> fp32, both exact) inside the reader's kernel; the cache only serves
-  `convert<float>(bf16)`. Fewer kernels, but at Qwen3-0.6B's width it made the fused q/k
-  norm + RoPE kernel about 3x slower (docs/performance.md), so rla does not use it.
+- "rla (ATen upcasts)", what rla does (`backend.upcast_on_aten`): the upcast runs as an ATen
+  call, a kernel of its own writing an fp32 copy of the tensor, which the reader loads.
+- "rla (bf16 copy)", tried: an ATen call writes a bf16 copy of the rounded value (another
+  buffer, which the cache cannot serve), upcast in the reader's kernel: half the bytes.
+- "rla (fp64 upcasts)", tried: the upcast widens through fp64 (bf16 -> fp64 -> fp32, both
+  exact) inside the reader's kernel; the cache only serves `convert<float>(bf16)`. Fewer
+  kernels, but at Qwen3-0.6B's width the fused q/k norm + RoPE kernel ran about 3x slower.
+- "inductor again": plain Inductor once more, on a model of its own like every variant: the
+  resolution of the comparison (each variant's own copy of the weights moved a ratio by up to
+  2 points in one run).
 
 Sizes: the tiny Llamas of runtime.py, and "qwen3-width": 4 layers of Qwen3-0.6B's width
 (hidden 1024, 16/8 heads of 128, MLP 3072), vocabulary 8192, one sequence of 256 tokens.
 
-    python benchmarks/upcasts_before_after.py --json benchmarks/results/upcasts_before_after_cpu.json
+    python benchmarks/upcasts_before_after.py --sizes qwen3-width --json benchmarks/results/upcasts_qwen3_cpu.json
 """
 
 from __future__ import annotations
@@ -39,41 +43,37 @@ QWEN3_WIDTH = {**{k: v for k, v in QWEN3_0_6B.items() if k not in ("rope_theta",
 
 
 def _through_fp64(graph, upcast) -> None:
-    """Instead of `should_fallback`: widen through fp64 in the reader's kernel."""
+    """Widen through fp64 in the reader's kernel."""
     with graph.inserting_before(upcast):
         wide = graph.call_function(torch.ops.prims.convert_element_type.default, (upcast.args[0], torch.float64))
     wide.meta["val"] = upcast.args[0].meta["val"].to(torch.float64)
     upcast.replace_input_with(upcast.args[0], wide)
 
 
-def _fp64_upcasts():
-    """`backend.keep_site_roundings` with fp64 widening where it would run an upcast on ATen."""
+def _through_bf16_copy(graph, upcast) -> None:
+    """An ATen bf16 copy of the rounded value, which the upcast loads in the reader's kernel."""
+    rounded = upcast.args[0]
+    with graph.inserting_before(upcast):
+        copy = graph.call_function(torch.ops.aten.clone.default, (rounded,))
+    copy.meta["val"] = rounded.meta["val"].clone()
+    copy.meta["should_fallback"] = True
+    upcast.replace_input_with(rounded, copy)
 
-    def keep_site_roundings(graph) -> None:
-        from torch._inductor import config as inductor_config
 
-        if inductor_config.emulate_precision_casts:
-            return original(graph)
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        for node in list(graph.nodes):
-            if backend_module.is_site_rounding(node):
-                node.meta["low_precision_pointwise_barrier"] = True
-                for upcast in backend_module._upcasts_of(node):
-                    if backend_module._kernel_apart(node, upcast, position):
-                        node.meta["inductor_realize_to_strides"] = True
-                    else:
-                        _through_fp64(graph, upcast)
-
-    original = backend_module.keep_site_roundings
-    return mock.patch.object(backend_module, "keep_site_roundings", keep_site_roundings)
+def _instead_of_aten_upcasts(through):
+    """`backend.keep_site_roundings` with `through(graph, upcast)` where it runs an upcast on ATen."""
+    return mock.patch.object(backend_module, "upcast_on_aten", through)
 
 
 VARIANTS = {
     "inductor": lambda: "inductor",
     "rla (ATen upcasts)": lambda: rla_compile.backend(),
+    "rla (bf16 copy)": lambda: rla_compile.backend(),
     "rla (fp64 upcasts)": lambda: rla_compile.backend(),
+    "inductor again": lambda: "inductor",
 }
-COMPILING = {"rla (fp64 upcasts)": _fp64_upcasts}
+COMPILING = {"rla (bf16 copy)": lambda: _instead_of_aten_upcasts(_through_bf16_copy),
+             "rla (fp64 upcasts)": lambda: _instead_of_aten_upcasts(_through_fp64)}
 
 
 def main(argv=None) -> list[dict]:
@@ -92,7 +92,7 @@ def main(argv=None) -> list[dict]:
     with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}):
         for size in args.sizes:
             for mode in args.modes:
-                # caches off: the two rla variants share a cache key
+                # caches off: the rla variants share a cache key
                 with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
                     r = measure(size, mode, args.reps, variants=VARIANTS, compiling=COMPILING)
                 results.append(r)

@@ -64,23 +64,31 @@ class KeepSiteRounding(CustomGraphPass):
 def keep_site_roundings(graph: Graph) -> None:
     """What both compiled paths (this backend, vLLM's pass) do to a post-grad graph so that
     Inductor computes the contract: every site rounding carries the rounding barrier; unpinned,
-    upcasts of a rounded site output run on ATen (`_upcasts_of`); pinned, the fp32 math a site
-    rounds runs on ATen (`pin_eager_math`)."""
+    upcasts of a rounded site output run on ATen (`_upcasts_of`, `upcast_on_aten`); pinned,
+    the fp32 math a site rounds runs on ATen (`pin_eager_math`)."""
     from torch._inductor import config as inductor_config
 
     pinned = inductor_config.emulate_precision_casts  # pin_rounding, or the user's own setting
     position = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
-        if is_site_rounding(node):
+        if node.op == "call_function" and is_site_rounding(node):  # not a saved rounding read by the backward
             node.meta["low_precision_pointwise_barrier"] = True
             if not pinned:
                 for upcast in _upcasts_of(node):
                     if _kernel_apart(node, upcast, position):
                         node.meta["inductor_realize_to_strides"] = True  # stored once, in bf16
                     else:
-                        upcast.meta["should_fallback"] = True
+                        upcast_on_aten(graph, upcast)
     if pinned:
         pin_eager_math(graph)
+
+
+def upcast_on_aten(graph: Graph, upcast) -> None:
+    """Run `upcast` as an ATen call (per-node fallback): a kernel of its own, which reads the
+    stored low-precision values and writes an fp32 copy for the reader. (An ATen bf16 copy of
+    the rounded value, upcast in the reader's kernel, moves fewer bytes but measured no faster
+    at Qwen3-0.6B's width, within the benchmark's resolution: benchmarks/upcasts_before_after.py.)"""
+    upcast.meta["should_fallback"] = True
 
 
 def _upcasts_of(rounding) -> list:

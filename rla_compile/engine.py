@@ -35,7 +35,7 @@ from .config import Options
 from .report import GraphReport, NearMiss, SiteReport
 from .sites import DEFAULT_SITES, MATCHERS, Match, Miss
 
-__all__ = ["align", "find_sites", "mark_recompute", "ROUNDING_TAG", "is_site_rounding"]
+__all__ = ["align", "find_sites", "mark_recompute", "mark_save", "ROUNDING_TAG", "is_site_rounding"]
 
 ROUNDING_TAG = "rla_round"  # node.meta["custom"][ROUNDING_TAG] = site kind, on every output rounding
 
@@ -221,6 +221,7 @@ class _Rewriter:
                     self._bypass(*bypass)
 
         fp32_value: dict[Node, Node] = {}  # region node -> the node now holding its fp32 value
+        rounding: dict[Node, Node] = {}  # region node -> its output rounding
         for node in order:  # 2. inside: casts disappear, everything else computes in fp32
             if ops.is_cast(node):
                 source = node.args[0]
@@ -250,6 +251,7 @@ class _Rewriter:
                 with self.graph.inserting_after(value):
                     rounded = self._cast(value, dtype_before[node], f"{node.name}_rounded")
                 _tag_rounding(rounded, match.kind)
+                rounding[node] = rounded
             else:
                 rounded = value
                 for user in users:  # the model's own rounding of an fp32 output: keep it
@@ -267,6 +269,9 @@ class _Rewriter:
                 upcast = upcasts.get(match.roles[role])
                 if upcast is not None and upcast is not match.roles[role]:  # not bypassed
                     mark_recompute(upcast)
+            for role in match.save:
+                if match.roles[role] in rounding:
+                    mark_save(rounding[match.roles[role]])
 
 
 def mark_recompute(upcast: Node) -> None:
@@ -277,6 +282,25 @@ def mark_recompute(upcast: Node) -> None:
     from torch.utils.checkpoint import CheckpointPolicy
 
     upcast.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def mark_save(rounding: Node) -> None:
+    """Tag a site's output rounding to be saved for the backward (`meta["recompute"]`, as
+    above), so the backward reads the stored low-precision value instead of recomputing it.
+
+    For a rounding that the backward would otherwise recompute and upcast in one kernel: the
+    residual stream, where the partitioner left alone recomputes round(s_k) and the next sum
+    up(round(s_k)) + up(out_k+1) from the block outputs, a chain of pointwise ops Inductor fuses
+    into one kernel. There its C++ code generator would hand the upcast the fp32 value the
+    rounding came from, so `backend.keep_site_roundings` must run those upcasts on ATen (small
+    Llama training 1.08x plain Inductor). Saved, the stream is a backward input: no rounding
+    in the backward's kernels at all. It costs bytes: the norm's backward reads the fp32 sum, rebuilt
+    from the saved stream and the block output (two bf16 tensors), where plain Inductor's norm
+    reads its one saved bf16 sum (benchmarks/results/residual_save_cpu.json). Inside an
+    activation-checkpointed region, the checkpoint's own policy replaces this tag."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    rounding.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def _set_dtype(node: Node, dtype: torch.dtype) -> None:

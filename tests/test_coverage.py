@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
+import contract_reference as ref
 import handwritten
 import rla_compile
 from coverage_table import DOC, collect, split, table
@@ -74,18 +75,6 @@ def test_handwritten_model_equals_contract_reference(name):
     assert statuses == set(handwritten.STATUSES[name].items())
 
 
-def _within_one_ulp(got, reference):
-    """Inductor with rounding pinned: the contract's rounding locations with Inductor's own
-    fp32 math (its reduction order in the backward's sums), which can move a value across a
-    rounding boundary: at most 1 ulp, on at most 1% of the elements of each tensor."""
-    for a, b in zip(got, reference, strict=True):
-        differ = a != b
-        assert int(differ.sum()) <= max(1, a.numel() // 100)
-        if differ.any():
-            ulps = (a[differ].view(torch.int16).int() - b[differ].view(torch.int16).int()).abs()
-            assert int(ulps.max()) <= 1
-
-
 def test_handwritten_model_under_inductor_pinned():
     model, ids = handwritten.build("nanogpt-swiglu"), tokens()
     with inductor_config.patch(emulate_precision_casts=True):
@@ -93,7 +82,7 @@ def test_handwritten_model_under_inductor_pinned():
     model.forward = model.forward_contract
     reference = _train(model, ids)
     assert _mismatches(got[:1], reference[:1]) == 0  # logits bit for bit
-    _within_one_ulp(got[1:], reference[1:])
+    ref.within_one_ulp(got[1:], reference[1:])
 
 
 @pytest.mark.parametrize("entry", HF_REFERENCE, ids=lambda e: e.name)
@@ -119,4 +108,4 @@ def test_hf_family_under_inductor_pinned(name):
     torch._dynamo.reset()
     with contract_sites(model):
         reference = _train(model, ids)
-    _within_one_ulp(got, reference)
+    ref.within_one_ulp(got, reference)

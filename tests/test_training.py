@@ -293,6 +293,33 @@ def test_hf_gradient_checkpointing_equals_contract_reference():
         assert _mismatches(got, _train(model, ids)) == 0
 
 
+def test_the_backward_reads_the_residual_stream_saved(monkeypatch):
+    """The residual stream's roundings are saved for the backward (`engine.mark_save`), so no
+    backward kernel both rounds and upcasts it: without the tag the partitioner recomputed
+    the stream from the block outputs, a fused chain of roundings and upcasts whose upcasts
+    had to run on ATen (one per residual site; 1.08x plain Inductor's small training step).
+    Pinned, the step still equals the contract reference (test_coverage's standard)."""
+    backend_module = sys.modules["rla_compile.backend"]
+    fallbacks, keep = [], backend_module.keep_site_roundings
+
+    def counting(graph):
+        keep(graph)
+        fallbacks.append(sum(bool(n.meta.get("should_fallback")) for n in graph.nodes))
+
+    monkeypatch.setattr(backend_module, "keep_site_roundings", counting)
+    model, ids = tiny_causal_lm("llama"), tokens()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _train(model, ids, rla_compile.backend(pin_rounding=False))
+        assert fallbacks == [0, 0]  # the forward graph and the backward graph
+        torch._dynamo.reset()
+        got = _train(model, ids, rla_compile.backend(pin_rounding=True))
+    torch._dynamo.reset()
+    with contract_sites(model):
+        reference = _train(model, ids)
+    assert _mismatches(got[:1], reference[:1]) == 0  # logits bit for bit
+    ref.within_one_ulp(got[1:], reference[1:])
+
+
 # -- dynamic shapes ---------------------------------------------------------------------------
 def _shapes_against_reference(shapes, mark):
     model = tiny_causal_lm("llama")

@@ -20,6 +20,8 @@ class Match:
     `rounds_outputs=False`: the outputs leave in fp32, not rounded (the logits site).
     `recompute`: input roles whose fp32 upcast the backward recomputes from the low-precision
     value instead of saving the fp32 copy (the head's h and W); see `engine.mark_recompute`.
+    `save`: roles whose output rounding the backward reads saved instead of recomputing it (the
+    residual stream); see `engine.mark_save`.
     """
 
     kind: str
@@ -29,6 +31,7 @@ class Match:
     roles: dict[str, Node] = field(default_factory=dict)
     rounds_outputs: bool = True
     recompute: tuple[str, ...] = ()
+    save: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

@@ -5,11 +5,14 @@ rounding. HF rounds s to bf16 first and normalises the rounded sum; vLLM's nativ
 add+norm normalises the fp32 sum. Matching is RMSNorm's plus one step up: the normalised value
 is a low-precision add of two same-shape tensors.
 
-What the backward saves is left to AOTAutograd's partitioner: it saves about what the
-original saves (1.00x the bytes, benchmarks/memory.py). Tagging the fp32 sum and the stream's
-rounding for recomputation (as an earlier version did) made each layer's backward recompute
-the whole residual stream from the embedding (a chain of roundings), 10% slower training at
-4 layers and growing with depth (benchmarks/results/residual_tags_cpu.json).
+In training, the stream's rounding is saved for the backward (`Match.save`, `engine.mark_save`).
+Left to itself, AOTAutograd's partitioner saved the block outputs and recomputed the stream in
+the backward: a chain of roundings and upcasts that Inductor fuses into one kernel, whose
+upcasts then had to run on ATen (benchmarks/residual_save.py: small Llama training 1.08x plain
+Inductor recomputed, 1.02x saved; saved bytes 1.00x recomputed, 1.04x saved at the tiny sizes,
+where the stream is a larger share of the activations than at a real model's shape). Tagging
+the stream for recomputation instead (an earlier version) made every layer's backward
+recompute the whole stream from the embedding (residual_tags_cpu.json).
 """
 
 from __future__ import annotations
@@ -69,4 +72,5 @@ class ResidualRMSNormMatcher:
         roles = {"x": add, "residual": add.args[0], "update": add.args[1]}
         if norm.weight is not None:
             roles["weight"] = norm.weight
-        return Match(self.kind, anchor, frozenset(norm.nodes | {add}), norm.variant, roles)
+        return Match(self.kind, anchor, frozenset(norm.nodes | {add}), norm.variant, roles,
+                     save=("x",))  # the backward reads the stream saved (engine.mark_save)

@@ -1,0 +1,80 @@
+"""The residual stream saved for the backward or recomputed there, side by side in one run.
+
+rla tags each residual site's stream rounding round(s) to be saved (`engine.mark_save`). Left
+to itself, AOTAutograd's partitioner saves the block outputs instead and recomputes the stream
+in the backward, a chain of roundings and upcasts that Inductor fuses into one kernel, where
+each upcast must then run on ATen (docs/contract.md: the CPU code generator's cse cache).
+This prints what each choice costs against plain Inductor: training step time and the bytes
+saved for the backward.
+
+    python benchmarks/residual_save.py --json benchmarks/results/residual_save_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common  # noqa: E402
+from common import SIZES, write  # noqa: E402
+from memory import saved_bytes  # noqa: E402
+from runtime import measure  # noqa: E402
+from upcasts_before_after import QWEN3_WIDTH  # noqa: E402
+
+import rla_compile  # noqa: E402
+from rla_compile import engine  # noqa: E402
+
+VARIANTS = {
+    "inductor": lambda: "inductor",
+    "rla (stream saved)": lambda: rla_compile.backend(),
+    "rla (stream recomputed)": lambda: rla_compile.backend(),
+}
+COMPILING = {"rla (stream recomputed)": lambda: mock.patch.object(engine, "mark_save", lambda rounding: None)}
+
+
+def compare(size: str, reps: int, device: str = "cpu") -> dict:
+    """Both rla variants and plain Inductor at one size: training step times (runtime.measure)
+    and the bytes each saves for the backward."""
+    from torch._inductor import config as inductor_config
+
+    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}):
+        # caches off: the two rla variants share a cache key
+        with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
+            saved = {}
+            for name, make in VARIANTS.items():
+                with COMPILING.get(name, mock.MagicMock)():
+                    saved[name] = saved_bytes(size, make(), device)
+            result = measure(size, "training", reps, device=device, variants=VARIANTS, compiling=COMPILING)
+    torch._dynamo.reset()
+    result["saved_bytes"] = saved
+    result["saved_ratio_vs_inductor"] = {n: b / saved["inductor"] for n, b in saved.items()}
+    return result
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sizes = [*SIZES, "qwen3-width"]
+    parser.add_argument("--sizes", nargs="+", default=sizes, choices=sizes)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    results, names = [], list(VARIANTS)[1:]
+    print(f"{'size':<13}{'inductor ms':>13}" + "".join(f"{n + ' / ind: time (IQR), saved':>52}" for n in names))
+    for size in args.sizes:
+        r = compare(size, args.reps)
+        results.append(r)
+        ratio, iqr, sr = r["ratio_vs_inductor"], r["round_ratio_quartiles"], r["saved_ratio_vs_inductor"]
+        cells = "".join(f"{f'{ratio[n]:.3f} ({iqr[n][0]:.2f}-{iqr[n][1]:.2f}), {sr[n]:.3f}':>52}" for n in names)
+        print(f"{size:<13}{r['median_s']['inductor'] * 1e3:>13.2f}{cells}", flush=True)
+    write(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
