@@ -49,6 +49,14 @@ def test_residual_save_smoke(tmp_path):
     assert saved["rla (stream saved)"] > saved["rla (stream recomputed)"] > 0
 
 
+def test_kernel_profile_smoke(tmp_path):
+    done = _run("kernel_profile.py", "--size", "small", "--mode", "inference", "--steps", "1", "--json", "k.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "k.json").read_text())["results"]
+    for name in ("inductor", "rla"):  # Inductor's generated kernels show up as events of their own
+        assert any(k.startswith("cpp_fused") for k in result["us_per_step"][name])
+
+
 def test_memory_smoke(tmp_path):
     done = _run("memory.py", "--sizes", "small", "--json", "m.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
