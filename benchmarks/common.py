@@ -61,6 +61,13 @@ def saved_bytes_of(step) -> int:
     return total
 
 
+def ratio_cell(result: dict, name: str) -> str:
+    """A variant's ratio to plain Inductor in a `runtime.measure` result, with the quartiles of
+    its per-round ratio: "1.014 (1.01-1.02)"."""
+    low, high = result["round_ratio_quartiles"][name]
+    return f"{result['ratio_vs_inductor'][name]:.3f} ({low:.2f}-{high:.2f})"
+
+
 def fresh_process_runs(script: str, argv: list[str], runs: int) -> list:
     """Run `script` with `argv` (less its --runs and --json) once per run, each in a fresh
     process, and return each run's "results": on a shared CPU a ratio moves more between

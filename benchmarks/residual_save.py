@@ -21,10 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
-from common import SIZES, write  # noqa: E402
+from common import SIZES, ratio_cell, write  # noqa: E402
 from memory import saved_bytes  # noqa: E402
-from runtime import measure  # noqa: E402
-from upcasts_before_after import QWEN3_WIDTH  # noqa: E402
+from upcasts_before_after import QWEN3_WIDTH, measure_alternatives  # noqa: E402
 
 import rla_compile  # noqa: E402
 from rla_compile import engine  # noqa: E402
@@ -42,14 +41,13 @@ def compare(size: str, reps: int, device: str = "cpu") -> dict:
     and the bytes each saves for the backward."""
     from torch._inductor import config as inductor_config
 
-    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}):
-        # caches off: the two rla variants share a cache key
-        with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
-            saved = {}
-            for name, make in VARIANTS.items():
-                with COMPILING.get(name, mock.MagicMock)():
-                    saved[name] = saved_bytes(size, make(), device)
-            result = measure(size, "training", reps, device=device, variants=VARIANTS, compiling=COMPILING)
+    saved = {}
+    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}), \
+            inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):  # the rla variants share a key
+        for name, make in VARIANTS.items():
+            with COMPILING.get(name, mock.MagicMock)():
+                saved[name] = saved_bytes(size, make(), device)
+    result = measure_alternatives(size, "training", reps, VARIANTS, COMPILING, device)
     torch._dynamo.reset()
     result["saved_bytes"] = saved
     result["saved_ratio_vs_inductor"] = {n: b / saved["inductor"] for n, b in saved.items()}
@@ -69,8 +67,8 @@ def main(argv=None) -> list[dict]:
     for size in args.sizes:
         r = compare(size, args.reps)
         results.append(r)
-        ratio, iqr, sr = r["ratio_vs_inductor"], r["round_ratio_quartiles"], r["saved_ratio_vs_inductor"]
-        cells = "".join(f"{f'{ratio[n]:.3f} ({iqr[n][0]:.2f}-{iqr[n][1]:.2f}), {sr[n]:.3f}':>52}" for n in names)
+        saved = r["saved_ratio_vs_inductor"]
+        cells = "".join(f"{ratio_cell(r, n) + ', ' + format(saved[n], '.3f'):>52}" for n in names)
         print(f"{size:<13}{r['median_s']['inductor'] * 1e3:>13.2f}{cells}", flush=True)
     write(args.json, results)
     return results

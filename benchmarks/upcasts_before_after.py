@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
-from common import SIZES, write  # noqa: E402
+from common import SIZES, ratio_cell, write  # noqa: E402
 from real_shape import QWEN3_0_6B  # noqa: E402
 from runtime import measure  # noqa: E402
 
@@ -76,6 +76,16 @@ COMPILING = {"rla (bf16 copy)": lambda: _instead_of_aten_upcasts(_through_bf16_c
              "rla (fp64 upcasts)": lambda: _instead_of_aten_upcasts(_through_fp64)}
 
 
+def measure_alternatives(size: str, mode: str, reps: int, variants: dict, compiling: dict, device: str = "cpu") -> dict:
+    """`runtime.measure` of variants that share rla's cache key (caches off), at the sizes of
+    `runtime.py` or "qwen3-width"."""
+    from torch._inductor import config as inductor_config
+
+    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}), \
+            inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
+        return measure(size, mode, reps, device=device, variants=variants, compiling=compiling)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sizes = [*SIZES, "qwen3-width"]
@@ -84,21 +94,16 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    from torch._inductor import config as inductor_config
 
     results = []
     names = list(VARIANTS)[1:]
     print(f"{'size':<13}{'mode':<11}{'inductor ms':>13}" + "".join(f"{n + ' / ind (IQR)':>34}" for n in names))
-    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}):
-        for size in args.sizes:
-            for mode in args.modes:
-                # caches off: the rla variants share a cache key
-                with inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
-                    r = measure(size, mode, args.reps, variants=VARIANTS, compiling=COMPILING)
-                results.append(r)
-                ratio, iqr = r["ratio_vs_inductor"], r["round_ratio_quartiles"]
-                cells = "".join(f"{f'{ratio[n]:.3f} ({iqr[n][0]:.2f}-{iqr[n][1]:.2f})':>34}" for n in names)
-                print(f"{size:<13}{mode:<11}{r['median_s']['inductor'] * 1e3:>13.2f}{cells}", flush=True)
+    for size in args.sizes:
+        for mode in args.modes:
+            r = measure_alternatives(size, mode, args.reps, VARIANTS, COMPILING)
+            results.append(r)
+            cells = "".join(f"{ratio_cell(r, n):>34}" for n in names)
+            print(f"{size:<13}{mode:<11}{r['median_s']['inductor'] * 1e3:>13.2f}{cells}", flush=True)
     write(args.json, results)
     return results
 
