@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.fx.traceback as fx_traceback
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, GraphModule
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import checkpoint, ops
 from .config import Options
 from .engine import align, is_site_rounding
 from .debug import Rewrite, record, snapshot, wants_graphs
-from .dtensor import SubclassAwareInterpreter
-from .report import GraphReport
+from .report import GraphReport, SiteReport
+from .retrace import function_bodies, pre_dispatch
 
 __all__ = ["Backend", "backend", "align_function", "inspect", "dynamo_backend", "rla_backend", "KeepSiteRounding", "eager_math_nodes", "pin_eager_math"]
 
@@ -223,23 +222,6 @@ def _differs_from_eager(node) -> bool:
     return torch.Tag.pointwise in target.tags and name not in _EXACT_POINTWISE
 
 
-def _pre_dispatch(gm: GraphModule, example_inputs: Sequence[Any]) -> GraphModule:
-    """Dynamo's torch-level graph -> normalised pre-dispatch ATen, node provenance kept."""
-    context = torch._guards.TracingContext.try_get()
-    fake_mode = context.fake_mode if context is not None else None
-    if fake_mode is None:
-        fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
-    fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-
-    def run(*args):
-        return SubclassAwareInterpreter(gm).run(*args)
-
-    with fake_mode, fx_traceback.preserve_node_meta(), checkpoint.vanilla_context_fn(gm):
-        aten_gm = make_fx(run, tracing_mode="real", pre_dispatch=True, decomposition_table=_opaque_sites())(*fake)
-    checkpoint.strip_context_fn(aten_gm)
-    return aten_gm
-
-
 def _align(gm: GraphModule, options: Options) -> GraphReport:
     """Align the graph and the bodies of its activation-checkpointed regions: one report."""
     report = align(gm, options, name=_graph_name())
@@ -247,18 +229,22 @@ def _align(gm: GraphModule, options: Options) -> GraphReport:
         inner = align(body, options, name=report.graph)
         report.sites.extend(inner.sites)
         report.near_misses.extend(inner.near_misses)
+    for graph in (gm, *checkpoint.bodies(gm)):
+        report.sites.extend(_function_sites(graph, options))
     return report
 
 
-def _opaque_sites() -> dict:
-    """Ops that would hide a site inside one node at pre-dispatch level, decomposed into their
-    own math (torch's own decompositions) so the matchers see them: `F.rms_norm` /
-    `nn.RMSNorm` trace as one `aten.rms_norm` (then `_fused_rms_norm`) otherwise."""
-    from torch._decomp import core_aten_decompositions, decomposition_table
-
-    table = {**core_aten_decompositions(), **decomposition_table}
-    hidden = (torch.ops.aten.rms_norm.default, torch.ops.aten._fused_rms_norm.default)
-    return {op: table[op] for op in hidden if op in table}
+def _function_sites(gm: GraphModule, options: Options) -> list[SiteReport]:
+    """The sites inside custom autograd Functions' forward bodies, reported as skipped: the
+    Function's own forward and backward run as written (retrace.py)."""
+    found = []
+    for node, body in function_bodies(gm):
+        where = ops.source_line(node) or ops.module_path(node) or node.name
+        reason = (f"inside a custom autograd.Function (applied at {where}): its own forward and backward "
+                  "run as written, a kernel boundary rla does not rewrite")
+        inner = align(body, options, name="function body")  # a traced copy: the graph keeps the Function's own body
+        found += [replace(s, status="skipped", reason=reason, source=s.source or where) for s in inner.sites]
+    return found
 
 
 def _rank() -> int | None:
@@ -291,7 +277,7 @@ class Backend:
     def __call__(self, gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
         start = time.perf_counter()
         try:
-            aten_gm = _pre_dispatch(gm, example_inputs)
+            aten_gm = pre_dispatch(gm, example_inputs)
         except Exception as error:
             subclass = _subclass_input(example_inputs)
             if subclass is None:

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 import torch
 from torch.fx import GraphModule
 
-__all__ = ["bodies", "strip_context_fn", "vanilla_context_fn"]
+__all__ = ["CONTEXT_FN", "bodies", "strip_context_fn", "vanilla_context_fn"]
 
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
-_CONTEXT_FN = "_checkpoint_context_fn"
+CONTEXT_FN = "_checkpoint_context_fn"
 
 
 def bodies(gm: GraphModule) -> list[GraphModule]:
@@ -53,9 +53,9 @@ def vanilla_context_fn(gm: GraphModule) -> Iterator[None]:
     torch's "context_fn is passed" warning, which would be about our stand-in), and take it
     off the traced bodies afterwards (`strip_context_fn`) so they stay plain checkpoints.
     """
-    added = [body for body in bodies(gm) if _CONTEXT_FN not in body.meta]
+    added = [body for body in bodies(gm) if CONTEXT_FN not in body.meta]
     for body in added:
-        body.meta[_CONTEXT_FN] = _vanilla_context
+        body.meta[CONTEXT_FN] = _vanilla_context
     wrap_log, quiet = logging.getLogger("torch._higher_order_ops.wrap"), _DropContextFnWarning()
     wrap_log.addFilter(quiet)
     try:
@@ -63,12 +63,12 @@ def vanilla_context_fn(gm: GraphModule) -> Iterator[None]:
     finally:
         wrap_log.removeFilter(quiet)
         for body in added:
-            del body.meta[_CONTEXT_FN]
+            del body.meta[CONTEXT_FN]
 
 
 def strip_context_fn(gm: GraphModule) -> None:
     """Undo `vanilla_context_fn`'s stand-in on the traced graph's bodies."""
     for body in bodies(gm):
-        if body.meta.get(_CONTEXT_FN) is _vanilla_context:
-            del body.meta[_CONTEXT_FN]
+        if body.meta.get(CONTEXT_FN) is _vanilla_context:
+            del body.meta[CONTEXT_FN]
 

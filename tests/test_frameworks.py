@@ -19,6 +19,7 @@ from torch._inductor import config as inductor_config
 import frameworks
 import rla_compile
 from framework_reference import contract_sites
+from gradients import mismatches, step
 
 pytestmark = pytest.mark.frameworks
 
@@ -37,16 +38,7 @@ def _ids():
 
 
 def _train(model, backend=None):
-    forward = torch.compile(model, backend=backend) if backend is not None else model
-    logits = forward(_ids())
-    cotangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(logits.dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(logits, params, cotangent, allow_unused=True)
-    return [logits.detach()] + [g for g in grads if g is not None]
-
-
-def _mismatches(a, b):
-    return sum(int((x != y).sum()) for x, y in zip(a, b, strict=True))
+    return step(model, _ids(), backend, hf=False)
 
 
 def _counts(report):
@@ -76,17 +68,27 @@ def test_equals_contract_reference(entry):
     torch._dynamo.reset()
     with contract_sites(model):
         reference = _train(model)
-    assert _mismatches(got, reference) == 0
-    assert _mismatches(_train(model), reference) > 0  # as written, the model rounds elsewhere
+    assert mismatches(got, reference) == 0
+    assert mismatches(_train(model), reference) > 0  # as written, the model rounds elsewhere
+
+
+@pytest.mark.parametrize("entry", MODELS, ids=lambda e: e.name)
+def test_fp32_model_equals_plain_compilation(entry):
+    """The guard against lost gradients where no site is involved (test_coverage.py's, for the
+    peer frameworks' models): in fp32, rla trains exactly as plain compilation."""
+    model = _model(entry).float()
+    got = _train(model, rla_compile.backend(inner="aot_eager"))
+    torch._dynamo.reset()
+    assert mismatches(got, _train(model, "aot_eager")) == 0
 
 
 @pytest.mark.parametrize("entry", MODELS, ids=lambda e: e.name)
 def test_inductor_pinned_gives_the_eager_kernels_logits(entry):
     model = _model(entry)
-    expected = _train(model, rla_compile.backend(inner="aot_eager"))[0]
+    expected = _train(model, rla_compile.backend(inner="aot_eager"))["logits"]
     torch._dynamo.reset()
     with inductor_config.patch(emulate_precision_casts=True, fx_graph_cache=False):
-        got = _train(model, rla_compile.backend(pin_rounding=True))[0]
+        got = _train(model, rla_compile.backend(pin_rounding=True))["logits"]
     assert int((got != expected).sum()) == 0
 
 

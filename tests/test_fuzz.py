@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 
 import rla_compile
 from fuzz_graphs import Program, build
-from rla_compile.backend import _pre_dispatch
+from rla_compile.retrace import pre_dispatch
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("default", max_examples=80, derandomize=True, **_COMMON)
@@ -78,7 +78,7 @@ class Capture:
         self.graphs: list[tuple[GraphModule, GraphModule, list]] = []
 
     def __call__(self, gm, example_inputs):
-        before, after = _pre_dispatch(gm, example_inputs), _pre_dispatch(gm, example_inputs)
+        before, after = pre_dispatch(gm, example_inputs), pre_dispatch(gm, example_inputs)
         rla_compile.align(after, self.rla.options)
         self.graphs.append((before, after, list(example_inputs)))
         return self.rla(gm, example_inputs)

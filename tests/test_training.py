@@ -25,6 +25,7 @@ import distributed_probe as probe
 import tp_reference as tpr
 import handwritten
 import rla_compile
+from gradients import assert_same_parameters, mismatches, step
 from hf_reference import contract_sites
 from models import expected_sites, tiny_causal_lm
 from zoo import tokens
@@ -34,18 +35,8 @@ pytest.importorskip("transformers")
 LAYER = {"rmsnorm": 1, "residual_rmsnorm": 1, "rope": 2, "swiglu": 1}  # one Llama layer cut out
 
 
-def _mismatches(a, b):
-    return sum(int((x != y).sum()) for x, y in zip(a, b, strict=True))
-
-
 def _train(model, ids, backend=None, hf=True):
-    """Logits and every parameter gradient for a fixed cotangent."""
-    forward = torch.compile(model, backend=backend) if backend is not None else model
-    logits = forward(ids, use_cache=False).logits if hf else forward(ids)
-    cotangent = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)).to(logits.dtype)
-    params = [p for p in model.parameters() if p.requires_grad]  # PEFT: the adapters only
-    grads = torch.autograd.grad(logits, params, cotangent, allow_unused=True)
-    return [logits.detach()] + [g for g in grads if g is not None]
+    return step(model, ids, backend, hf=hf)
 
 
 @contextlib.contextmanager
@@ -148,8 +139,8 @@ def _tp_step(sequence_parallel: bool, sites: str, cut: bool = False):
 
 
 def _tp_mismatches(got, logits, grads) -> tuple[int, int]:
-    assert set(grads) == set(got["grads"])
-    return _mismatches([logits], [got["logits"]]), sum(int((g != got["grads"][n]).sum()) for n, g in grads.items())
+    assert_same_parameters(got["grads"], grads)  # the guard against lost gradients, under TP
+    return int((logits != got["logits"]).sum()), sum(int((g != got["grads"][n]).sum()) for n, g in grads.items())
 
 
 def _sites_per_rank(got):
@@ -210,7 +201,7 @@ def test_subclass_graph_that_cannot_be_retraced_says_why(monkeypatch, caplog):
     def fail(gm, example_inputs):
         raise RuntimeError("Unable to cast NotImplemented to Tensor")
 
-    monkeypatch.setattr(backend_module, "_pre_dispatch", fail)
+    monkeypatch.setattr(backend_module, "pre_dispatch", fail)
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
     backend = rla_compile.backend(inner="aot_eager")
     out = torch.compile(lambda x, w: x * w, backend=backend)(x, TwoTensor(w, w))
@@ -273,7 +264,7 @@ def test_checkpointed_handwritten_blocks_equal_contract_reference():
     assert report.counts() == {"rmsnorm": 3, "residual_rmsnorm": 2, "swiglu": 2, "rope": 4}
     assert report.count(status="rewritten") == len(report.sites)
     model.forward = model.forward_contract_per_block
-    assert _mismatches(got, _train(model, ids, hf=False)) == 0
+    assert mismatches(got, _train(model, ids, hf=False)) == 0
 
 
 def test_hf_gradient_checkpointing_equals_contract_reference():
@@ -290,7 +281,7 @@ def test_hf_gradient_checkpointing_equals_contract_reference():
     # bookkeeping of residual sums cannot follow; checkpointing does not change values.
     model.gradient_checkpointing_disable()
     with contract_sites(model), unit_boundaries(model):
-        assert _mismatches(got, _train(model, ids)) == 0
+        assert mismatches(got, _train(model, ids)) == 0
 
 
 def test_the_backward_reads_the_residual_stream_saved(monkeypatch):
@@ -316,8 +307,9 @@ def test_the_backward_reads_the_residual_stream_saved(monkeypatch):
     torch._dynamo.reset()
     with contract_sites(model):
         reference = _train(model, ids)
-    assert _mismatches(got[:1], reference[:1]) == 0  # logits bit for bit
-    ref.within_one_ulp(got[1:], reference[1:])
+    assert_same_parameters(got, reference)
+    assert torch.equal(got["logits"], reference["logits"])  # logits bit for bit
+    ref.within_one_ulp([got[k] for k in reference], list(reference.values()))
 
 
 # -- dynamic shapes ---------------------------------------------------------------------------
@@ -334,7 +326,7 @@ def _shapes_against_reference(shapes, mark):
             got = compiled(ids, use_cache=False).logits
             with contract_sites(model):
                 reference = model(ids, use_cache=False).logits
-        assert _mismatches([got], [reference]) == 0, (batch, seq)
+        assert torch.equal(got, reference), (batch, seq)
     for report in backend.reports:
         assert report.counts() == expected_sites(model.config)
         assert report.count(status="rewritten") == len(report.sites)
@@ -392,4 +384,4 @@ def test_peft_lora_model_equals_contract_reference():
     assert report.count(status="rewritten") == len(report.sites)
     torch._dynamo.reset()
     with contract_sites(base):
-        assert _mismatches(got, _train(model, ids)) == 0
+        assert mismatches(got, _train(model, ids)) == 0
