@@ -23,6 +23,7 @@ Sizes: the tiny Llamas of runtime.py, and "qwen3-width": 4 layers of Qwen3-0.6B'
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 from unittest import mock
@@ -37,7 +38,7 @@ from runtime import measure  # noqa: E402
 
 import rla_compile  # noqa: E402
 
-backend_module = sys.modules["rla_compile.backend"]
+backend_module = importlib.import_module("rla_compile.backend")
 QWEN3_WIDTH = {**{k: v for k, v in QWEN3_0_6B.items() if k not in ("rope_theta", "tie_word_embeddings")},
                "num_hidden_layers": 4, "vocab_size": 8192, "batch": 1, "seq": 256, "model_type": "qwen3"}
 

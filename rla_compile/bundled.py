@@ -12,29 +12,62 @@ distributions hide.
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["MODEL_DIR", "decode", "encode", "load", "prompts", "save_tokenizer", "tokenizer"]
+__all__ = ["MODEL_DIR", "cast_note", "check_model_dir", "decode", "encode", "load", "prompts", "save_tokenizer",
+           "saved_dtype", "tokenizer"]
 
 MODEL_DIR = Path(__file__).resolve().parent / "data" / "qwen3-bytes"
 
 
-def load(dtype: torch.dtype = torch.bfloat16, model_dir: str | Path = MODEL_DIR):
-    """The model in `model_dir` (default: the shipped one), eager attention, in `dtype`."""
+def load(dtype: torch.dtype | str = "bfloat16", model_dir: str | Path = MODEL_DIR):
+    """The model in `model_dir` (default: the shipped one), eager attention, in `dtype` (a
+    torch dtype or its name), whatever dtype its weights were saved in (`cast_note` says so)."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as error:
         raise ImportError("loading the model needs transformers: pip install 'rla_compile[hf]'") from error
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a model directory (no config.json): pass a directory written by "
-                                "save_pretrained, or nothing for the shipped model")
+    path = check_model_dir(model_dir)
     with _quiet_loading():  # one "Loading weights" bar per stack, a dozen per ablation, say nothing
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager",
                                                     local_files_only=True)
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    """`model_dir` as a Path if it holds a saved model, else a FileNotFoundError that says what
+    to pass (checked before any slow step, and by `load`)."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        missing = "does not exist" if not path.exists() else "is not a model directory (no config.json)"
+        raise FileNotFoundError(f"{path} {missing}: pass a directory written by save_pretrained, or nothing for "
+                                "the shipped model")
+    return path
+
+
+def saved_dtype(model_dir: str | Path) -> str | None:
+    """The dtype the weights in `model_dir` were saved in, as its config.json records it
+    ("dtype"; "torch_dtype" before transformers 5); None when it does not say."""
+    config = json.loads((check_model_dir(model_dir) / "config.json").read_text())
+    saved = config.get("dtype") or config.get("torch_dtype")
+    return str(saved).removeprefix("torch.") if saved else None
+
+
+def cast_note(model_dir: str | Path, dtypes: tuple[str, ...] | set[str] = ("bfloat16",)) -> str | None:
+    """One line for the progress stream when the model runs in `dtypes` other than the one its
+    weights were saved in (every stack loads the weights in its own dtype: bf16 unless its
+    label says `:float32`); None when they agree or the config does not say."""
+    saved = saved_dtype(model_dir)
+    other = sorted(set(dtypes) - {saved}) if saved else []
+    if not other:
+        return None
+    rl = " as both stacks would in RL" if other == ["bfloat16"] else ""
+    return f"model weights are {saved}; running in {' and '.join(other)}{rl}"
 
 
 @contextmanager
@@ -61,6 +94,8 @@ def decode(ids: list[int]) -> str:
 
 def prompts(n: int = 8, length: int = 32) -> list[list[int]]:
     """`n` prompts of `length` byte tokens, cut from held-out text at line starts."""
+    if n < 1 or length < 1:
+        raise ValueError(f"prompts(n={n}, length={length}): need at least 1 prompt of at least 1 token")
     text = (MODEL_DIR / "held_out.txt").read_bytes()
     starts = [i + 1 for i, b in enumerate(text) if b == ord("\n") and text[i + 1 : i + 2].strip()]
     step = max(1, len(starts) // n)

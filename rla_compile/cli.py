@@ -3,6 +3,9 @@
     rla-compile demo                      the shipped model: its sites, and the mismatch baseline vs aligned
     rla-compile mismatch [MODEL_DIR]      trainer vs inference mismatch: rla off / one side / both, per site
     rla-compile inspect [MODEL_DIR]       align a model, write the debug dump, print the site table
+
+Progress and diagnostics go to stderr, results (reports, tables) to stdout. Arguments are
+checked before any slow step; torch is imported only once they are (`--help` is instant).
 """
 
 from __future__ import annotations
@@ -12,28 +15,51 @@ import json
 import sys
 from pathlib import Path
 
+from .progress import say_progress, timed
+
 __all__ = ["main"]
+
+SEEDS = 2**64  # torch.manual_seed's range
+
+
+def whole_number(low: int, high: int | None = None):
+    """An argparse `type`: an int from `low` (to `high`), or an error that names the range
+    (argparse prefixes the argument's name)."""
+    valid = f"a whole number >= {low}" if high is None else f"a whole number from {low} to {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: use {valid}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: use {valid}")
+        return value
+
+    return parse
 
 
 def _load(model_dir: str | None, model_type: str):
-    """The model in `model_dir` (bf16, as `bundled.load` loads any), or the embedded tiny one."""
+    """The model in `model_dir` (bf16, as `bundled.load` loads any; stderr says so when its
+    weights were saved in another dtype), or the embedded tiny one."""
     if model_dir is None:
         from .tiny import tiny_causal_lm
 
         return tiny_causal_lm(model_type)
-    import torch
+    from . import bundled
 
-    from .bundled import load
-
-    return load(torch.bfloat16, model_dir)
+    cast = bundled.cast_note(model_dir)
+    if cast:
+        say_progress(cast)
+    return bundled.load("bfloat16", model_dir)
 
 
 def inspect_model(model_dir: str | None, model_type: str, out: str, tokens: int, train: bool, sites: str | None) -> int:
+    model = _load(model_dir, model_type)  # a bad directory fails first, before torch is imported
     import torch
 
     from .backend import backend
 
-    model = _load(model_dir, model_type)
     options = {"debug": out} | ({"sites": sites} if sites else {})
     be = backend(inner="aot_eager", **options)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -64,25 +90,35 @@ def check_outputs(args) -> None:
 
 
 def run_mismatch(args) -> int:
-    from . import mismatch
-    from .progress import timed
+    from . import bundled
 
     check_outputs(args)
-    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731  progress apart from results
-    if args.localise:
-        from . import bundled
+    # before torch is imported: the model directory, and room for the prompts in the held-out text
+    model_dir = bundled.check_model_dir(args.model_dir or bundled.MODEL_DIR)
+    prompts = bundled.prompts(args.prompts, args.prompt_tokens)
+    from . import mismatch
+    from .mismatch.stacks import require_vllm
 
-        model_dir = args.model_dir or bundled.MODEL_DIR
-        sequences = mismatch.sample(Path(model_dir), bundled.prompts(args.prompts, args.prompt_tokens), args.new_tokens,
-                                    args.seed)
-        with timed(say, f"running {args.localise[0]} and {args.localise[1]}, recording every point, then each unrecorded"):
-            result = mismatch.localise(*(mismatch.Stack.parse(a) for a in args.localise), sequences, model_dir)
+    if args.localise:
+        a, b = (mismatch.Stack.parse(s) for s in args.localise)
+        for stack in (a, b):
+            if stack.engine == "vllm":
+                require_vllm(f"--localise {stack.label}")
+        cast = bundled.cast_note(model_dir, {"bfloat16", a.dtype, b.dtype})  # the sampler runs bf16
+        if cast:
+            say_progress(cast)
+        with timed(say_progress, f"sampling {args.prompts} continuations of {args.new_tokens} tokens from "
+                                 f"{model_dir.name} (HF, eager)"):
+            sequences = mismatch.sample(model_dir, prompts, args.new_tokens, args.seed)
+        with timed(say_progress, f"running {a.label} and {b.label}, recording every point, then each unrecorded"):
+            result = mismatch.localise(a, b, sequences, model_dir)
         print(result.table())
         if args.json:
             Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
         return 0
-    report = mismatch.measure(args.model_dir, args.trainer, args.inference, ablation=args.ablation, prompts=args.prompts,
-                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, seed=args.seed, say=say)
+    report = mismatch.measure(model_dir, args.trainer, args.inference, ablation=args.ablation, prompts=args.prompts,
+                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, seed=args.seed,
+                              say=say_progress)
     print(report.table())
     if args.json:
         Path(args.json).write_text(report.to_json())
@@ -91,7 +127,7 @@ def run_mismatch(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rla-compile", description="Rounding-location alignment for torch.compile.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -100,15 +136,16 @@ def main(argv: list[str] | None = None) -> int:
 
     mismatch = commands.add_parser("mismatch", help="measure the trainer/inference mismatch; per-site ablation; localise")
     mismatch.add_argument("model_dir", nargs="?", help="a local HF model directory (default: the shipped model)")
-    mismatch.add_argument("--trainer", default="hf-inductor:train",
+    mismatch.add_argument("--trainer",
                           help="training stack (default: hf-inductor:train); form engine-compiler[:dtype][:train]")
     mismatch.add_argument("--inference", help="'vllm', 'hf' or a stack such as vllm-eager, hf-aot_eager "
                                               "(default: vllm when installed, else hf = hf-aot_eager)")
     mismatch.add_argument("--ablation", action="store_true", help="align each site alone on both sides, then all")
-    mismatch.add_argument("--prompts", type=int, default=8, help="sequences (default: 8)")
-    mismatch.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (default: 32)")
-    mismatch.add_argument("--new-tokens", type=int, default=64, help="sampled tokens per sequence (default: 64)")
-    mismatch.add_argument("--seed", type=int, default=0,
+    mismatch.add_argument("--prompts", type=whole_number(1), default=8, help="sequences (default: 8)")
+    mismatch.add_argument("--prompt-tokens", type=whole_number(1), default=32, help="prompt length (default: 32)")
+    mismatch.add_argument("--new-tokens", type=whole_number(1), default=64,
+                          help="sampled tokens per sequence (default: 64)")
+    mismatch.add_argument("--seed", type=whole_number(0, SEEDS - 1), default=0,
                           help="seed of the sampler that draws the continuations (default: 0)")
     mismatch.add_argument("--json", help="write the report as JSON here")
     mismatch.add_argument("--plot", help="write a PNG (δ histograms and per-configuration bars) here")
@@ -120,11 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("model_dir", nargs="?", help="a local HF model directory (default: the embedded tiny model)")
     inspect.add_argument("--model", default="llama", help="model type of the embedded tiny model (default: llama)")
     inspect.add_argument("--out", default="rla_debug", help="dump directory (default: ./rla_debug)")
-    inspect.add_argument("--tokens", type=int, default=16, help="tokens to trace with (default: 16)")
+    inspect.add_argument("--tokens", type=whole_number(1), default=16, help="tokens to trace with (default: 16)")
     inspect.add_argument("--train", action="store_true", help="trace a training step (forward + backward)")
     inspect.add_argument("--sites", help="comma-separated sites to align (default: all)")
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "mismatch" and args.localise:
+        ignored = [f"--{flag}" for flag in ("trainer", "inference", "ablation", "plot") if getattr(args, flag)]
+        if ignored:
+            parser.error(f"mismatch --localise compares its own two stacks: drop {', '.join(ignored)}")
     try:
         if args.command == "demo":
             from .demo import run_demo

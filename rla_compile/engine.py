@@ -91,10 +91,12 @@ class _Found:
         return self.overlapping + deselected
 
     def misses(self, selected: set[str]) -> list[Miss]:
-        """A near miss whose anchor was matched by another kind's matcher is not a miss; an
-        opt-in site's misses count only when it is asked for."""
+        """A near miss whose anchor was matched by another kind's matcher, or lies inside a site
+        found, is not a miss; an opt-in site's misses count only when it is asked for."""
+        claimed = set(self.owner) | {n for m in self.unselected.values() for n in m.nodes}
+        claimed |= {n for m, _ in self.overlapping for n in m.nodes}
         return [m for m in self.missed if m.anchor not in self.sites and m.anchor not in self.unselected
-                and (m.kind in selected or m.kind in DEFAULT_SITES)]
+                and m.anchor not in claimed and (m.kind in selected or m.kind in DEFAULT_SITES)]
 
 
 def _site_dtype(match: Match) -> torch.dtype:
@@ -439,6 +441,6 @@ def _site_report(plan: _Plan) -> SiteReport:
         module=module,
         source=source,
         anchor=match.anchor.name,
-        reason=plan.reason,
+        reason="; ".join(r for r in (plan.reason, match.note) if r),
         nodes=nodes,
     )

@@ -75,6 +75,7 @@ class GraphReport:
             near_misses=[NearMiss(**m) for m in data.get("near_misses", [])],
             note=data.get("note", ""),
             seconds=dict(data.get("seconds", {})),
+            rank=data.get("rank"),
         )
 
     def to_json(self) -> str:

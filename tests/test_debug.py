@@ -139,6 +139,20 @@ def test_rla_debug_environment_variable_maps_onto_the_option(tmp_path):
     assert (tmp_path / "dump" / "index.txt").read_text().startswith("graph_0_0\t0/0: rewritten swiglu=1")
 
 
+def test_graph_report_round_trips_through_its_dict(tmp_path):
+    """`to_dict` / `from_dict` (how reports cross processes: vLLM workers, tensor-parallel ranks)
+    keep every field, the rank included."""
+    from rla_compile.report import GraphReport, NearMiss, SiteReport
+
+    site = SiteReport("rope", "rewritten", "neox", "bfloat16", "model.layers.0.self_attn", "m.py:1 in f", "mul",
+                      nodes=("mul", "add"))
+    report = GraphReport("0/1", [site], [NearMiss("rmsnorm", "rsqrt", "norm", "no weight")], note="n",
+                         seconds={"retrace": 0.5}, rank=3)
+    assert GraphReport.from_dict(report.to_dict()) == report
+    assert GraphReport.from_dict(json.loads(report.to_json())) == report
+    assert "(rank 3)" in GraphReport.from_dict(report.to_dict()).summary()
+
+
 def test_inspect_cli_writes_the_dump(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "rla_compile.cli", "inspect", "--out", str(tmp_path / "d")],

@@ -97,6 +97,38 @@ def test_ablation_keeps_the_one_side_rows_and_the_plot_finds_its_rows():
     assert set(plot.SHOWN) <= set(labels)  # the histogram's rows exist under these names
 
 
+def test_plot_names_both_stacks_and_the_stand_in(monkeypatch):
+    """The figure says which two stacks it compares, and that the inference side is HF standing
+    in for vLLM when that is so (the stand-in's note travels in the report and its JSON)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from rla_compile.mismatch import measurement, plot
+    from rla_compile.mismatch.metrics import Metrics
+    from rla_compile.mismatch.report import MismatchReport, Row
+
+    monkeypatch.setattr(measurement, "has_vllm", lambda: False)
+    trainer, inference, note = mismatch.default_stacks("hf")
+    rows = [Row(label, trainer.with_sites(sites), inference.with_sites(sites), Metrics(*([0] * 11)), [0.01, -0.02, 0.0])
+            for label, sites in (("rla off", None), ("rla on both", mismatch.DEFAULT_SITES))]
+
+    def texts(notes):
+        report = MismatchReport.from_dict(MismatchReport("m", 1, 8, 3, rows, notes=notes).to_dict())
+        fig = plot.figure(report)
+        try:
+            legends = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+            return fig.get_suptitle(), legends
+        finally:
+            plt.close(fig)
+
+    title, legends = texts([note])
+    assert "trainer hf-inductor:train vs inference hf-aot_eager (HF stand-in: vLLM not installed)" in title
+    assert "rla off: hf-inductor:train vs hf-aot_eager" in legends
+    assert "rla on both: hf-inductor+rla:train vs hf-aot_eager+rla" in legends
+    title, _ = texts([])  # a stack the user chose, or vLLM installed: no stand-in
+    assert "trainer hf-inductor:train vs inference hf-aot_eager" in title and "stand-in" not in title
+
+
 def test_ulp_distance_by_hand():
     a = torch.tensor([1.0, 1.0, 3.0, 0.0, -2.0], dtype=torch.bfloat16)
     b = torch.tensor([1.0078125, 1.0, 3.5, 0.0, -2.015625], dtype=torch.bfloat16)

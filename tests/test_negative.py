@@ -259,3 +259,42 @@ def test_unknown_mode_names_the_valid_ones():
     with pytest.raises(Exception) as error:
         torch.compile(lambda x: x + 1, backend="rla", mode="fastest")(torch.ones(2))
     assert "Unrecognized mode=fastest" in str(error.value) and "max-autotune" in str(error.value)
+
+
+def rotation_by_flip(x, inv_freq, positions):  # x*cos + flip(x)*sin: no RoPE spelling covers it
+    angles = positions[:, None].float() * inv_freq[None, :]
+    return x * angles.cos().to(x.dtype) + x.flip(-1) * angles.sin().to(x.dtype)
+
+
+def test_unrecognised_rotation_by_position_tables_is_a_near_miss():
+    """A bf16 activation times tables computed from positions, with no RoPE matched: said, per
+    product, not silently left unaligned."""
+    result = rla_compile.align_function(rotation_by_flip, X, torch.rand(64), torch.arange(16))
+    assert result.report.sites == [], str(result.report)
+    misses = result.report.near_misses
+    assert misses and {m.kind for m in misses} == {"rope"}, str(result.report)
+    assert all("no RoPE spelling matched" in m.reason for m in misses)
+
+
+def test_matched_rope_leaves_no_position_table_near_miss():
+    model, _, _, report = _tiny_llama_under_rla(torch.bfloat16)
+    assert report.count("rope", "rewritten") == 4 and not report.near_misses, str(report)
+
+
+def test_rope_tables_from_rounded_frequencies_are_noted():
+    """`model.to(torch.bfloat16)` rounds HF's fp32 inv_freq; loading with dtype= does not. The
+    rope sites say where their tables came from, and how to load the model instead."""
+    loaded = tiny_causal_lm("llama")  # from_config(dtype=bf16): inv_freq stays fp32
+    cast = tiny_causal_lm("llama").to(torch.bfloat16)
+    assert loaded.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert cast.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    notes = []
+    for model in (loaded, cast):
+        backend = rla_compile.backend(inner="aot_eager")
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(ids, use_cache=False)
+        torch._dynamo.reset()
+        notes.append([s.reason for s in backend.reports[0].sites if s.kind == "rope"])
+    assert len(notes[0]) == 4 and not any("inv_freq" in r for r in notes[0]), notes[0]
+    assert len(notes[1]) == 4 and all("model.to(torch.bfloat16) rounded the fp32 inv_freq" in r for r in notes[1]), notes[1]

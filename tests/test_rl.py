@@ -199,6 +199,34 @@ def test_enable_sets_the_vllm_switch(monkeypatch):
     assert rla_vllm.options_from_env() is None
 
 
+def test_enable_without_trl_says_what_is_on_and_off(monkeypatch, caplog):
+    """Without TRL (and vLLM), `enable()` still switches rla on for transformers' Trainer and sets
+    the vLLM variables, and says so: the parts it could not switch on, and why, in its return
+    value and in a warning."""
+    import logging
+
+    from rla_compile.integrations import trl as rla_trl
+
+    for name in ("trl", "trl.trainer.utils", "vllm"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    monkeypatch.setattr(rla_trl, "_HEAD_PATCHED", False)
+    with caplog.at_level(logging.INFO, logger=rla_trl.__name__):
+        status = rla_trl.enable(sites=["rope", "logits"], inner="aot_eager")
+    try:
+        assert status.on[0] == "RlaCallback on every transformers.Trainer built afterwards"
+        assert any(part.startswith("RLA_VLLM=1") for part in status.on)
+        assert status.off == {
+            "TRL's trainers": "TRL is not installed: pip install 'rla_compile[rl]'",
+            "TRL's logprob head in fp32 (the logits site)": "TRL is not installed",
+            "rla in this process's vLLM engines": f"vLLM is not installed: {rla_vllm.INSTALL}",
+        }
+        (record,) = [r for r in caplog.records if r.name == rla_trl.__name__]
+        assert record.levelno == logging.WARNING and record.getMessage() == str(status)
+        assert "NOT switched on: TRL's trainers (TRL is not installed" in str(status)
+    finally:
+        rla_trl.disable()
+
+
 # --- the shipped model's tokenizer ---------------------------------------------------------
 
 

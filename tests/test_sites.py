@@ -17,6 +17,8 @@ What "bit for bit" compares against:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._inductor import config as inductor_config
@@ -208,3 +210,14 @@ def test_an_already_aligned_sites_own_rounding_is_kept_like_a_rewritten_ones():
     assert result.report.count("rmsnorm", "already_aligned") == 1
     assert "# rla: round rmsnorm" in result.after
     assert "# rla: round" not in result.before
+
+
+def test_rotation_matrix_table_gradients_on_eager_kernels():
+    """The rotation-matrix RoPE's cos/sin gradients (excluded from CASES: outside the site they
+    add up where Inductor fuses) equal the reference on eager kernels."""
+    case = next(c for c in CASES if c.name == "rope_matrix")
+    case = dataclasses.replace(case, grads=(0, 1, 2))
+    backend = rla_compile.backend(inner="aot_eager")
+    got = _run(case.fn, case, torch.bfloat16, backend)
+    assert backend.reports[0].count("rope", "rewritten") == 1
+    assert _mismatches(got, _run(case.reference, case, torch.bfloat16)) == [0] * len(got)

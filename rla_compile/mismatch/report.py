@@ -14,7 +14,7 @@ from ..machine import describe
 from .metrics import Metrics
 from .stacks import Stack
 
-__all__ = ["MismatchReport", "Row", "change_interval", "LEGEND"]
+__all__ = ["MismatchReport", "Row", "change_interval", "LEGEND", "STAND_IN"]
 
 LEGEND = (
     "δ = log π_trainer − log μ_inference per sampled token. k3 KL = mean(e^δ−1−δ), k1 = mean(−δ), |Δlp| = |δ|, "
@@ -26,6 +26,8 @@ LEGEND = (
     "included (the LM head in fp32: vLLM's head_dtype=float32 on the inference side)."
 )
 BASELINE = "rla off"
+# the note `default_stacks` adds when HF stands in for vLLM (kept in the report's notes, so in its JSON)
+STAND_IN = "vLLM is not installed: the inference side is HF with eager kernels (aot_eager), not vLLM"
 
 
 @dataclass
@@ -88,6 +90,15 @@ class MismatchReport:
                 return row
         raise KeyError(f"no row {label!r}: rows are {[r.label for r in self.rows]}")
 
+    def stack_pairs(self) -> list[tuple[str, str]]:
+        """(trainer, inference) stack labels without their rla sites, one pair per pair compared."""
+        return sorted({(r.trainer.with_sites(None).label, r.inference.with_sites(None).label) for r in self.rows})
+
+    @property
+    def stand_in(self) -> bool:
+        """Whether the inference side is HF standing in for vLLM (not installed)."""
+        return any(n.startswith(STAND_IN) for n in self.notes)
+
     def changes(self, metric: str = "k3") -> dict[str, tuple[float, float, float]]:
         """Per row (but the baseline): (ratio, low, high) of `metric` against "rla off"."""
         if not any(r.label == BASELINE for r in self.rows):
@@ -131,10 +142,9 @@ class MismatchReport:
             for label in changes["k3"]:
                 cells = [f"{metric} {_pct(*changes[metric][label])}" for metric in INTERVAL_METRICS]
                 lines.append(f"  {label:<{width}}" + "   ".join(cells))
-        pairs = sorted({(r.trainer.with_sites(None).label, r.inference.with_sites(None).label) for r in self.rows})
         lines.append("")
         lines += [f"trainer {t} vs inference {i}; {self.sequences} sequences, {self.scored_tokens} sampled tokens scored"
-                  for t, i in pairs]
+                  for t, i in self.stack_pairs()]
         if self.machine:
             lines.append(f"machine: {describe(self.machine)} (the digits depend on its kernels)")
         lines += [f"note: {n}" for n in self.notes]

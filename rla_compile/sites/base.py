@@ -22,6 +22,7 @@ class Match:
     value instead of saving the fp32 copy (the head's h and W); see `engine.mark_recompute`.
     `save`: roles whose output rounding the backward reads saved instead of recomputing it (the
     residual stream); see `engine.mark_save`.
+    `note`: what the report adds to the site's status, whatever it is.
     """
 
     kind: str
@@ -32,6 +33,7 @@ class Match:
     rounds_outputs: bool = True
     recompute: tuple[str, ...] = ()
     save: tuple[str, ...] = ()
+    note: str = ""  # said in the report with the site's status (e.g. where RoPE's tables came from)
 
 
 @dataclass(frozen=True, eq=False)

@@ -4,16 +4,22 @@ rotate is neox `rotate_half` (cat(-x[..., h:], x[..., :h])) or gptj's interleave
 (stack(-x[..., 1::2], x[..., ::2]).flatten(-2)); or the rotation is written out per pair,
 cat(x1*cos - x2*sin, x2*cos + x1*sin) with x1/x2 the even/odd elements (DeepSeek's
 interleave, de-interleaved on output) or the two halves; or it is a complex multiply
-(view_as_complex(x) * freqs_cis, torchtitan / Meta Llama). Partial rotary needs nothing special: the
+(view_as_complex(x) * freqs_cis, torchtitan / Meta Llama); or each consecutive pair times its
+2x2 rotation matrix ((x.view(..., d/2, 1, 2) * R).sum(-1)). Partial rotary needs nothing special: the
 rotated slice is the site's input and the pass-through part never enters the region. cos and
 sin are inputs; when the graph computed them in fp32 and rounded them only to feed sites, the
 engine hands the sites the fp32 values (the contract's cast bypass).
+
+A low-precision activation multiplied by a table computed from positions that no spelling
+claims is reported as a near miss; tables computed from a rounded `inv_freq` (a model cast
+with `.to(torch.bfloat16)`) get a note on the site.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from dataclasses import replace
 
 from torch.fx import Graph, Node
 
@@ -274,6 +280,93 @@ def _complex_rotation(real: Node) -> tuple[Node, set[Node], Node] | None:
         return None
     return x, {pairs, as_complex, product, real, flat}, freqs
 
+_RESHAPES = ("view", "reshape", "_unsafe_view", "unflatten", "unsqueeze")
+
+
+def _rotation_matrix(total: Node) -> tuple[Node, Node, set[Node], Node] | None:
+    """(x.view(..., d/2, 1, 2) * R).sum(-1).flatten(-2), R[..., d/2, 2, 2] = [[cos, -sin], [sin, cos]]:
+    each consecutive pair times its 2x2 rotation matrix -> (x, output, nodes, R). Summed over
+    the last axis, row i of R dots the pair: (x0*cos - x1*sin, x0*sin + x1*cos), the interleaved
+    rotation. R is an input of the site (computed from positions, like cos and sin)."""
+    shape = ops.shape_of(total)
+    dims = ops.normalize_dim(total.args[1] if len(total.args) > 1 else None, len(shape) + 1) if shape else None
+    if dims is None or dims[-1:] != [len(shape)] or len(dims) != 1 or total.kwargs.get("keepdim", False) \
+            or (len(total.args) > 2 and total.args[2]):
+        return None
+    product = total.args[0]
+    if not ops.is_op(product, "mul") or len(product.args) != 2 or not all(isinstance(a, Node) for a in product.args):
+        return None
+    for pairs, matrix in (product.args, product.args[::-1]):
+        ps, ms = ops.shape_of(pairs), ops.shape_of(matrix)
+        if ps is None or ms is None or len(ps) < 3 or tuple(ps[-2:]) != (1, 2) or tuple(ms[-2:]) != (2, 2):
+            continue
+        n, lead, x, nodes = ps[-3], tuple(ps[:-3]), pairs, set()
+        while (ops.is_op(x, *_RESHAPES) or ops.is_cast(x)) and not _is_whole(x, lead, n):
+            nodes.add(x)
+            x = x.args[0]
+        if not _is_whole(x, lead, n) or len(total.users) != 1:
+            continue
+        (out,) = total.users
+        if not ops.is_op(out, "flatten", "view", "reshape", "_unsafe_view") or ops.shape_of(out) != ops.shape_of(x):
+            continue
+        return x, out, nodes | {product, total, out}, matrix
+    return None
+
+
+def _is_whole(x: object, lead: tuple, n: object) -> bool:
+    """x[..., 2n] with the pairs' leading dims: the tensor the pairs were cut from."""
+    shape = ops.shape_of(x)
+    return shape is not None and tuple(shape[:-1]) == lead and isinstance(n, int) and shape[-1] == 2 * n
+
+
+_TRIG = ("cos", "sin", "polar")
+_PROJECTIONS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "embedding", "convolution")
+
+
+def position_table(node: Node, depth: int = 40) -> bool:
+    """Whether `node` is computed from positions only: cos/sin (or polar) of something, and no
+    projection or embedding of an activation anywhere behind it (walks at most `depth` nodes)."""
+    seen, stack, trig = set(), [node], False
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if len(seen) > depth or ops.is_op(current, *_PROJECTIONS):
+            return False
+        trig = trig or ops.is_op(current, *_TRIG)
+        stack.extend(current.all_input_nodes)
+    return trig
+
+
+def rounded_frequencies(tables: Iterable[Node], depth: int = 40) -> Node | None:
+    """The low-precision graph input (a bf16 `inv_freq` buffer) behind the cos/sin tables, if
+    they were computed from one: `model.to(torch.bfloat16)` rounds HF's fp32 `inv_freq`."""
+    seen, stack = set(), [t for t in tables if isinstance(t, Node)]
+    while stack and len(seen) < depth:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op in ("placeholder", "get_attr") and ops.is_low_precision(current):
+            if any(ops.widens(user) for user in current.users):
+                return current
+        stack.extend(current.all_input_nodes)
+    return None
+
+
+def _frequencies_note(roles: dict) -> str:
+    tables = [v for k, v in roles.items() if k != "x"]
+    if not any(position_table(t) for t in tables):
+        return ""
+    source = rounded_frequencies(tables)
+    if source is None:
+        return ""
+    return (f"cos/sin computed from {ops.dtype_name(ops.dtype_of(source))} frequencies ({source.name}): "
+            "model.to(torch.bfloat16) rounded the fp32 inv_freq buffer, so the rotation angles differ from an "
+            "engine's (vLLM computes them in fp32 from the config) whatever the rounding; load the model "
+            "with from_pretrained(..., dtype=torch.bfloat16) instead, which keeps inv_freq in fp32")
+
 
 class RoPEMatcher:
     """`x * cos + rotate(x) * sin`, per q and k: the rotation in fp32, rounded once (eager
@@ -303,13 +396,45 @@ class RoPEMatcher:
     kind = "rope"
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
-        return ops.call_nodes(graph, "cat", "stack", "view_as_real")
+        return ops.call_nodes(graph, "cat", "stack", "view_as_real", "sum", "mul")
 
     def match(self, anchor: Node) -> Match | Miss | None:
+        if ops.is_op(anchor, "mul"):
+            return self._unmatched_rotation(anchor)
         if ops.is_op(anchor, "view_as_real"):
-            return self._complex(anchor)
-        written_out = self._pairs(anchor)
-        return written_out if written_out is not None else self._rotated(anchor)
+            found = self._complex(anchor)
+        elif ops.is_op(anchor, "sum"):
+            found = self._matrix(anchor)
+        else:
+            found = self._pairs(anchor)
+            found = found if found is not None else self._rotated(anchor)
+        if isinstance(found, Match) and (note := _frequencies_note(found.roles)):
+            found = replace(found, note=note)
+        return found
+
+    def _unmatched_rotation(self, anchor: Node) -> Miss | None:
+        """A low-precision activation times a table computed from positions: RoPE in some
+        spelling. The engine drops this miss when the product belongs to a site it matched;
+        otherwise it says that a rotation went unrecognised (and unaligned)."""
+        if len(anchor.args) != 2 or not all(isinstance(a, Node) for a in anchor.args):
+            return None
+        for x, table in (anchor.args, anchor.args[::-1]):
+            if ops.is_low_precision(ops.strip_casts(x)) and not position_table(x) and position_table(table):
+                return Miss(self.kind, anchor, f"{ops.describe(anchor)}: a {ops.dtype_name(ops.dtype_of(ops.strip_casts(x)))} "
+                            "value times a table computed from positions (cos/sin), but no RoPE spelling matched "
+                            "(x * cos + rotate(x) * sin, per-pair rotation, complex multiply, 2x2 rotation matrix); "
+                            "its roundings are not aligned: please report this spelling")
+        return None
+
+    def _matrix(self, anchor: Node) -> Match | None:
+        """Consecutive pairs times 2x2 rotation matrices (`_rotation_matrix`)."""
+        rotation = _rotation_matrix(anchor)
+        if rotation is None:
+            return None
+        x, _, nodes, matrix = rotation
+        source = ops.strip_casts(x)
+        nodes |= ops.casts_between(x, source)
+        return Match(self.kind, anchor, frozenset(nodes), "rotation matrix", {"x": source, "rotation": matrix})
 
     def _complex(self, anchor: Node) -> Match | None:
         """x as complex pairs times freqs_cis (`_complex_rotation`)."""

@@ -331,9 +331,7 @@ def _q_freqs(dtype):
 
 
 def rope_complex_reference(q, freqs):  # the contract for a complex rotation: its fp32 formula, one rounding
-    x1, x2 = q.float()[..., 0::2], q.float()[..., 1::2]
-    c, s = freqs.real, freqs.imag
-    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).to(q.dtype)
+    return rope_rotated_pairs_reference(q, freqs.real, freqs.imag)
 
 
 def rope_gpt_fast(q, cos, sin):  # gpt-fast / torchtune Llama 3: pairs of columns, fp32, bf16 cache
@@ -466,4 +464,51 @@ CASES = [
     Case("head_logprobs", "logits", head_logprobs, _h_w, head_logprobs_reference, grads=(0, 1)),
     Case("head_softcapped", "logits", head_softcapped, _h_w, head_softcapped_reference, grads=(0, 1)),
     Case("head_gathered", "logits", head_gathered, _h_w_tokens, head_gathered_reference, grads=(0, 1)),
+]
+
+
+def rope_matrix(q, cos, sin):  # consecutive pairs times 2x2 rotation matrices, rounded bf16 products
+    rotation = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)  # [T, d/2, 2, 2]
+    pairs = q.view(*q.shape[:-1], -1, 1, 2)
+    return (pairs * rotation.to(q.dtype)).sum(-1).flatten(-2)
+
+
+def rope_matrix_reference(q, cos, sin):
+    """The site reads q and the model's bf16 matrix R (built outside it, where cos's two entries'
+    gradients add up in bf16): y = R @ pair per pair, in fp32, rounded once."""
+    r = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2).to(q.dtype).float()
+    x1, x2 = q.float()[..., 0::2], q.float()[..., 1::2]
+    y1 = x1 * r[..., 0, 0] + x2 * r[..., 0, 1]
+    y2 = x1 * r[..., 1, 0] + x2 * r[..., 1, 1]
+    return torch.stack((y1, y2), dim=-1).flatten(-2).to(q.dtype)
+
+
+def rope_matrix_fp32_table(q, inv_freq, positions):  # the table built in fp32 from positions, cast once
+    angles = positions[:, None].float() * inv_freq[None, :]
+    return rope_matrix(q, angles.cos(), angles.sin())
+
+
+def rope_matrix_fp32_table_reference(q, inv_freq, positions):
+    angles = positions[:, None].float() * inv_freq[None, :]
+    return rope_rotated_pairs_reference(q, angles.cos(), angles.sin())
+
+
+def rope_rotated_pairs_reference(q, cos, sin):  # the contract for consecutive pairs, rotated in place
+    x1, x2 = q.float()[..., 0::2], q.float()[..., 1::2]
+    c, s = cos.float(), sin.float()
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).to(q.dtype)
+
+
+def _q_inv_freq_positions(dtype):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    return torch.randn(2, HEADS, T, HEAD_DIM).to(dtype), inv_freq, torch.arange(T)
+
+
+CASES += [
+    # q's gradient only: cos and sin each enter R twice, and their two gradients add up outside
+    # the site, in bf16 on eager kernels and in fp32 where unpinned Inductor fuses the sum
+    # (POST_NORM's case); on eager kernels they match the reference too (test_sites.py).
+    Case("rope_matrix", "rope", rope_matrix, _q_half_cos_sin, rope_matrix_reference, grads=(0,)),
+    Case("rope_matrix_fp32_table", "rope", rope_matrix_fp32_table, _q_inv_freq_positions,
+         rope_matrix_fp32_table_reference, grads=(0,)),
 ]
