@@ -1,0 +1,119 @@
+"""Invariance across every causal-LM family transformers builds from a config: the table in
+docs/contract.md ("Invariance across families"), regenerated.
+
+For each family (tests/support/family_sweep.py): a tiny model compiled once, run on --seeds
+seeded inputs; how many inputs give other logits with rla (pin_rounding under Inductor vs rla on
+eager kernels) and without (plain Inductor with emulate_precision_casts vs plain aot_eager).
+
+    python benchmarks/invariance_sweep.py                    # every family, 8 inputs: about an hour on 2 cores
+    python benchmarks/invariance_sweep.py --families stablelm,llama --json /tmp/s.json --no-docs
+    python benchmarks/invariance_sweep.py --from-json benchmarks/results/invariance_sweep_cpu.json   # docs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+
+import family_sweep  # noqa: E402
+
+DOCS = ROOT / "docs" / "contract.md"
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "invariance_sweep_cpu.json"
+START, END = "<!-- invariance-sweep:start -->", "<!-- invariance-sweep:end -->"
+
+
+def machine() -> dict:
+    import torch
+
+    from rla_compile.machine import machine as base
+
+    try:
+        lscpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "")
+    except OSError:
+        lscpu = ""
+    return base() | {"processor": platform.processor(), "lscpu_model_name": lscpu, "torch": torch.__version__}
+
+
+def section(data: dict) -> str:
+    results, seeds, info = data["results"], data["seeds"], data["machine"]
+    s = family_sweep.summary(results)
+    rla, plain = s["rla_breaks"], s["plain_breaks"]
+    shared = [f for f in rla if f in plain]
+    lines = [
+        START,
+        f"Measured on {info['lscpu_model_name'] or info['cpu']} (`platform.processor()`: "
+        f"{info['processor']!r}; {info['cpus']} cores), torch {info['torch']}, transformers {data['transformers']}: "
+        f"{s['families']} model types in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, {s['compared']} compared, "
+        f"{s['skipped']} skipped, {s['errors']} errors. Each tiny model (`rla_compile.tiny`, vocabulary "
+        f"{family_sweep.VOCAB}) is compiled once and run on {seeds} seeded inputs of 2×{family_sweep.LENGTH} tokens. "
+        f"rla rewrote sites in {s['aligned']} of them; in the others (no RMSNorm, SwiGLU or RoPE: "
+        f"post-norm encoders, GPT-2 style models) it compiles the graph as Inductor does, so both columns "
+        f"agree. Of the {s['aligned']} aligned families, {len(rla)} give other logits pinned than on eager kernels "
+        f"on some input" + (f" ({', '.join(rla)}; {len(shared)} of them also without rla)" if rla else "")
+        + f", while plain Inductor differs from plain `aot_eager` in {len(s['plain_breaks_aligned'])} of them "
+        f"({len(plain)} of all {s['compared']}).",
+        "",
+        family_sweep.table(results, seeds),
+        "",
+        "Regenerate: `python benchmarks/invariance_sweep.py` (every family, in a process each; about an hour on "
+        "2 cores; `--jobs N` runs N at once), or `--from-json benchmarks/results/invariance_sweep_cpu.json` to "
+        "rewrite this section from the committed results. `pytest -m slow -k every_causal_lm_family` checks the "
+        "rla column per family.",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def write_docs(data: dict, path: Path = DOCS) -> None:
+    text = path.read_text()
+    new = section(data)
+    if START in text and END in text:
+        text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: new, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + "\n\n## Invariance across families\n\n" + new + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", help="comma-separated model types (default: every one)")
+    parser.add_argument("--seeds", type=int, default=family_sweep.SEEDS)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=family_sweep.TIMEOUT_S, help="seconds per family")
+    parser.add_argument("--json", default=str(DEFAULT_JSON))
+    parser.add_argument("--from-json", help="rewrite the docs section from these results; run nothing")
+    parser.add_argument("--no-docs", action="store_true", help="do not touch docs/contract.md")
+    args = parser.parse_args(argv)
+
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+    else:
+        import transformers
+
+        names = args.families.split(",") if args.families else None
+
+        def progress(result: dict) -> None:
+            print(f"{result['family']:28s} {result['status']:9s} {result.get('seconds', 0):6.1f}s "
+                  f"rla={result.get('rla', '')} plain={result.get('plain', '')} {result.get('reason', '')}", flush=True)
+
+        results = family_sweep.sweep(names, args.seeds, args.jobs, args.timeout, progress)
+        data = {"machine": machine(), "transformers": transformers.__version__, "seeds": args.seeds,
+                "summary": family_sweep.summary(results), "results": results}
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    if not args.no_docs:
+        write_docs(data)
+    print(json.dumps(data["summary"]))
+    return data
+
+
+if __name__ == "__main__":
+    main()
