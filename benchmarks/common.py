@@ -21,8 +21,8 @@ SIZES = {
 }
 VARIANTS = {
     "inductor": lambda: "inductor",
-    "rla": lambda: rla_compile.backend(),
-    "rla pinned": lambda: rla_compile.backend(pin_rounding=True),
+    "rla": lambda: rla_compile.Backend(),
+    "rla pinned": lambda: rla_compile.Backend(pin_rounding=True),
 }
 
 

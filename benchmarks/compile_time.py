@@ -26,7 +26,7 @@ from common import model_and_tokens, train_step, write  # noqa: E402
 def measure(layers: int, device: str = "cpu") -> dict:
     torch._dynamo.reset()
     model, ids = model_and_tokens("small", device, num_hidden_layers=layers)
-    backend = rla_compile.backend()
+    backend = rla_compile.Backend()
     step = train_step(torch.compile(model, backend=backend), model, ids)
     start = time.perf_counter()
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):

@@ -8,6 +8,10 @@ eager kernels) and without (plain Inductor with emulate_precision_casts vs plain
     python benchmarks/invariance_sweep.py                    # every family, 8 inputs: about an hour on 2 cores
     python benchmarks/invariance_sweep.py --families stablelm,llama --json /tmp/s.json --no-docs
     python benchmarks/invariance_sweep.py --from-json benchmarks/results/invariance_sweep_cpu.json   # docs only
+
+Each family's result is appended to `<json>.partial.jsonl` as it arrives; `--resume` skips the
+families already there (an interrupted sweep loses at most the families in flight), and
+`--jobs`/`--part` split the list between processes or machines.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,6 +88,13 @@ def write_docs(data: dict, path: Path = DOCS) -> None:
     path.write_text(text)
 
 
+def _partial(path: Path) -> dict[str, dict]:
+    """The results appended so far, by family (the last one wins)."""
+    if not path.exists():
+        return {}
+    return {r["family"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", help="comma-separated model types (default: every one)")
@@ -92,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     parser.add_argument("--from-json", help="rewrite the docs section from these results; run nothing")
     parser.add_argument("--no-docs", action="store_true", help="do not touch docs/contract.md")
+    parser.add_argument("--resume", action="store_true", help="skip the families in <json>.partial.jsonl")
+    parser.add_argument("--part", default="1/1", help="K/N: only every N-th family, starting at the K-th")
     args = parser.parse_args(argv)
 
     if args.from_json:
@@ -99,13 +113,26 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         import transformers
 
-        names = args.families.split(",") if args.families else None
+        names = args.families.split(",") if args.families else family_sweep.families()
+        part, parts = (int(v) for v in args.part.split("/"))
+        names = names[part - 1::parts]
+        partial = Path(args.json + ".partial.jsonl")
+        done = _partial(partial) if args.resume else {}
+        if not args.resume:
+            partial.write_text("")
 
-        def progress(result: dict) -> None:
+        lock = threading.Lock()
+
+        def progress(result: dict) -> None:  # called from the sweep's threads
+            with lock, partial.open("a") as out:
+                out.write(json.dumps(result) + "\n")
             print(f"{result['family']:28s} {result['status']:9s} {result.get('seconds', 0):6.1f}s "
                   f"rla={result.get('rla', '')} plain={result.get('plain', '')} {result.get('reason', '')}", flush=True)
 
-        results = family_sweep.sweep(names, args.seeds, args.jobs, args.timeout, progress)
+        todo = [n for n in names if n not in done]
+        family_sweep.sweep(todo, args.seeds, args.jobs, args.timeout, progress)
+        found = _partial(partial)
+        results = [found[n] for n in names if n in found]
         data = {"machine": machine(), "transformers": transformers.__version__, "seeds": args.seeds,
                 "summary": family_sweep.summary(results), "results": results}
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")

@@ -28,7 +28,7 @@ from upcasts_before_after import QWEN3_WIDTH  # noqa: E402
 
 import rla_compile  # noqa: E402
 
-VARIANTS = {"inductor": lambda: "inductor", "rla": lambda: rla_compile.backend()}
+VARIANTS = {"inductor": lambda: "inductor", "rla": lambda: rla_compile.Backend()}
 
 
 def _family(name: str) -> str:

@@ -54,7 +54,7 @@ def setup(args, sites):
     head = Head(args.hidden, args.vocab)
     h = torch.randn(1, args.tokens, args.hidden).bfloat16().requires_grad_()
     labels = torch.randint(0, args.vocab, (1, args.tokens))
-    backend = rla_compile.backend(sites=sites)
+    backend = rla_compile.Backend(sites=sites)
     return head, torch.compile(head, backend=backend), h, labels, backend
 
 

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rla_compile  # noqa: E402
+import rla_compile.sites  # noqa: E402
 from common import fresh_process_runs, saved_bytes_of, write  # noqa: E402
 from rla_compile.tiny import tiny_causal_lm  # noqa: E402
 from torch._inductor.utils import fresh_cache  # noqa: E402
@@ -38,8 +39,9 @@ QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28
                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
 VARIANTS = {
     "inductor": lambda: "inductor",
-    "rla": lambda: rla_compile.backend(),
-    "rla + logits": lambda: rla_compile.backend(sites=[*rla_compile.DEFAULT_SITES, "logits"]),
+    "rla": lambda: rla_compile.Backend(),
+    **{f"rla + {kind}": (lambda kind=kind: rla_compile.Backend(sites=[*rla_compile.DEFAULT_SITES, kind]))
+       for kind in rla_compile.sites.OPT_IN_SITES},
 }
 
 

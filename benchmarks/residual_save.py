@@ -1,6 +1,6 @@
 """The residual stream saved for the backward or recomputed there, side by side in one run.
 
-rla tags each residual site's stream rounding round(s) to be saved (`engine.mark_save`). Left
+rla tags each residual site's stream rounding round(s) to be saved (`rewriter.mark_save`). Left
 to itself, AOTAutograd's partitioner saves the block outputs instead and recomputes the stream
 in the backward, a chain of roundings and upcasts that Inductor fuses into one kernel, where
 each upcast must then run on ATen (docs/contract.md: the CPU code generator's cse cache).
@@ -26,14 +26,14 @@ from memory import saved_bytes  # noqa: E402
 from upcasts_before_after import QWEN3_WIDTH, measure_alternatives  # noqa: E402
 
 import rla_compile  # noqa: E402
-from rla_compile import engine  # noqa: E402
+from rla_compile import rewriter  # noqa: E402
 
 VARIANTS = {
     "inductor": lambda: "inductor",
-    "rla (stream saved)": lambda: rla_compile.backend(),
-    "rla (stream recomputed)": lambda: rla_compile.backend(),
+    "rla (stream saved)": lambda: rla_compile.Backend(),
+    "rla (stream recomputed)": lambda: rla_compile.Backend(),
 }
-COMPILING = {"rla (stream recomputed)": lambda: mock.patch.object(engine, "mark_save", lambda rounding: None)}
+COMPILING = {"rla (stream recomputed)": lambda: mock.patch.object(rewriter, "mark_save", lambda rounding: None)}
 
 
 def compare(size: str, reps: int, device: str = "cpu") -> dict:

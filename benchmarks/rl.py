@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rla_compile.sites import DEFAULT_SITES, OPT_IN_SITES
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 CONFIGS = {  # name: (trainer backend, rla in vLLM, rla's sites)
@@ -30,7 +32,7 @@ CONFIGS = {  # name: (trainer backend, rla in vLLM, rla's sites)
     "trainer": ("rla", False, None),
     "vllm": ("inductor", True, None),
     "both": ("rla", True, None),
-    "both+logits": ("rla", True, ["rmsnorm", "residual_rmsnorm", "swiglu", "rope", "logits"]),
+    **{f"both+{kind}": ("rla", True, [*DEFAULT_SITES, kind]) for kind in OPT_IN_SITES},
 }
 METRICS = {
     "logp_diff_mean": "sampling/sampling_logp_difference/mean",
@@ -87,7 +89,7 @@ def worker(config: str, steps: int, seed: int, progress=sys.stdout) -> dict:
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if trainer_backend == "rla":
-                self.backend = rla_compile.backend(options)
+                self.backend = rla_compile.Backend(options)
                 model.compile(backend=counted(self.backend))
             else:
                 model.compile(backend=counted(torch._dynamo.lookup_backend("inductor")))

@@ -3,7 +3,7 @@ the upcast shares a kernel with the rounding (Qwen3's q/k norm feeding RoPE), In
 code generator, unpinned, would hand it the fp32 value the rounding came from (its cse cache
 trick), so rla must make it read the rounded value.
 
-- "rla (ATen upcasts)", what rla does (`backend.upcast_on_aten`): the upcast runs as an ATen
+- "rla (ATen upcasts)", what rla does (`lowering.upcast_on_aten`): the upcast runs as an ATen
   call, a kernel of its own writing an fp32 copy of the tensor, which the reader loads.
 - "rla (bf16 copy)", tried: an ATen call writes a bf16 copy of the rounded value (another
   buffer, which the cache cannot serve), upcast in the reader's kernel: half the bytes.
@@ -23,7 +23,6 @@ Sizes: the tiny Llamas of runtime.py, and "qwen3-width": 4 layers of Qwen3-0.6B'
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 from unittest import mock
@@ -37,8 +36,8 @@ from real_shape import QWEN3_0_6B  # noqa: E402
 from runtime import measure  # noqa: E402
 
 import rla_compile  # noqa: E402
+import rla_compile.lowering as lowering  # noqa: E402
 
-backend_module = importlib.import_module("rla_compile.backend")
 QWEN3_WIDTH = {**{k: v for k, v in QWEN3_0_6B.items() if k not in ("rope_theta", "tie_word_embeddings")},
                "num_hidden_layers": 4, "vocab_size": 8192, "batch": 1, "seq": 256, "model_type": "qwen3"}
 
@@ -62,15 +61,15 @@ def _through_bf16_copy(graph, upcast) -> None:
 
 
 def _instead_of_aten_upcasts(through):
-    """`backend.keep_site_roundings` with `through(graph, upcast)` where it runs an upcast on ATen."""
-    return mock.patch.object(backend_module, "upcast_on_aten", through)
+    """`lowering.keep_site_roundings` with `through(graph, upcast)` where it runs an upcast on ATen."""
+    return mock.patch.object(lowering, "upcast_on_aten", through)
 
 
 VARIANTS = {
     "inductor": lambda: "inductor",
-    "rla (ATen upcasts)": lambda: rla_compile.backend(),
-    "rla (bf16 copy)": lambda: rla_compile.backend(),
-    "rla (fp64 upcasts)": lambda: rla_compile.backend(),
+    "rla (ATen upcasts)": lambda: rla_compile.Backend(),
+    "rla (bf16 copy)": lambda: rla_compile.Backend(),
+    "rla (fp64 upcasts)": lambda: rla_compile.Backend(),
     "inductor again": lambda: "inductor",
 }
 COMPILING = {"rla (bf16 copy)": lambda: _instead_of_aten_upcasts(_through_bf16_copy),

@@ -9,7 +9,7 @@ import rla_compile
 from rla_compile.tiny import tiny_causal_lm
 
 model = tiny_causal_lm("qwen3")  # swap in AutoModelForCausalLM.from_pretrained(...) for a real one
-backend = rla_compile.backend()  # or simply torch.compile(model, backend="rla")
+backend = rla_compile.Backend()  # or simply torch.compile(model, backend="rla")
 compiled = torch.compile(model, backend=backend)
 
 ids = torch.randint(0, model.config.vocab_size, (1, 16))

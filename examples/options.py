@@ -21,13 +21,13 @@ def block(x, gate, up):
 args = [torch.randn(2, 8, 64).bfloat16() for _ in range(3)]
 
 # 1. Through torch.compile's own options (no import needed for the backend name).
-normed, gated = torch.compile(block, backend="rla", options={"sites": ["swiglu"], "inner": "aot_eager"})(*args)
+normed, gated = torch.compile(block, backend="rla", options={"sites": ["swiglu"], "compiler": "aot_eager"})(*args)
 # the SwiGLU site follows the contract: fp32 inside, one rounding at the end
 assert torch.equal(gated, (F.silu(args[1].float()) * args[2].float()).to(torch.bfloat16))
 
 # 2. Through a backend object, which keeps the reports.
 with tempfile.TemporaryDirectory() as debug_dir:
-    backend = rla_compile.backend(sites=["swiglu", "rmsnorm"], pin_rounding=True, debug=debug_dir)
+    backend = rla_compile.Backend(sites=["swiglu", "rmsnorm"], pin_rounding=True, debug=debug_dir)
     torch.compile(block, backend=backend)(*args)
     report = backend.reports[0]
     print(report)
@@ -39,7 +39,7 @@ with tempfile.TemporaryDirectory() as debug_dir:
 
 # 3. A bad option is refused with the valid ones listed, when the backend object is built.
 try:
-    rla_compile.backend(sites=["layernorm"])
+    rla_compile.Backend(sites=["layernorm"])
 except rla_compile.OptionError as error:
     print("refused:", error)
     assert "valid: rmsnorm, residual_rmsnorm, swiglu, rope, logits" in str(error)

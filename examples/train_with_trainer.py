@@ -45,8 +45,8 @@ with tempfile.TemporaryDirectory() as out:
     # Compile the model in place (it keeps its class and forward signature, which the Trainer
     # reads). `TrainingArguments(torch_compile_backend="rla")` is refused by accelerate, which
     # accepts only the backend names it knows: docs/training.md.
-    # inner="aot_eager" skips Inductor's codegen to keep this example fast; drop it for real runs.
-    model.compile(backend="rla", options={"inner": "aot_eager"})
+    # compiler="aot_eager" skips Inductor's codegen to keep this example fast; drop it for real runs.
+    model.compile(backend="rla", options={"compiler": "aot_eager"})
     result = Trainer(model=model, args=args, train_dataset=data).train()
 
 print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}")

@@ -12,10 +12,9 @@ The public names load on first use (PEP 562): importing the package does not imp
 from __future__ import annotations
 
 import importlib
-import sys
-import types
+import importlib.util
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> the submodule that defines it
 _PUBLIC = {
@@ -29,21 +28,18 @@ _PUBLIC = {
     "SITE_KINDS": "sites",
     "SiteReport": "report",
     "align": "engine",
-    "backend": "backend",
     "align_function": "backend",
     "dynamo_backend": "backend",
-    "rla_backend": "backend",
 }
-# earlier names, kept working as attributes but not exported by `from rla_compile import *`
-# (`inspect` would shadow the standard module there)
-_DEPRECATED = {"inspect": "backend"}
 
 __all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name: str):
-    module = _PUBLIC.get(name) or _DEPRECATED.get(name)
+    module = _PUBLIC.get(name)
     if module is None:
+        if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a submodule: rla_compile.backend
+            return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # once loaded, a plain attribute
@@ -51,18 +47,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC, *_DEPRECATED})
-
-
-class _Package(types.ModuleType):
-    """The import system binds a submodule to its package's attribute when it first loads it:
-    loading `rla_compile.backend` (the module) would hide `rla_compile.backend` (the function).
-    A public name keeps meaning the public object; the module stays in `sys.modules`."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _PUBLIC and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+    return sorted({*globals(), *_PUBLIC})

@@ -58,10 +58,10 @@ def inspect_model(model_dir: str | None, model_type: str, out: str, tokens: int,
     model = _load(model_dir, model_type)  # a bad directory fails first, before torch is imported
     import torch
 
-    from .backend import backend
+    from .backend import Backend
 
     options = {"debug": out} | ({"sites": sites} if sites else {})
-    be = backend(inner="aot_eager", **options)
+    be = Backend(compiler="aot_eager", **options)
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(model, backend=be)
     if train:

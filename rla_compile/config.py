@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .sites import DEFAULT_SITES, check_site_names
+from . import sites as registry
+from .sites import check_site_names
 
-__all__ = ["Options", "OptionError", "INNER_BACKENDS"]
+__all__ = ["Options", "OptionError", "COMPILERS"]
 
-INNER_BACKENDS = ("inductor", "aot_eager")
+COMPILERS = ("inductor", "aot_eager")
 
 
 class OptionError(ValueError):
@@ -28,7 +29,7 @@ class Options:
 
     sites: which sites to align: rmsnorm, residual_rmsnorm, swiglu, rope (the default: all four)
         and logits (opt-in: the vocabulary projection computed and returned in fp32).
-    inner: the compiler that runs the rewritten graph: "inductor" (default) or "aot_eager"
+    compiler: the compiler rla hands the aligned graph to: "inductor" (default) or "aot_eager"
         (AOTAutograd without codegen: eager kernels, the rewritten rounding points).
     pin_rounding: round like eager outside the sites too (Inductor's
         emulate_precision_casts). None (default): Inductor's setting as you left it (its
@@ -41,17 +42,17 @@ class Options:
     inductor: extra Inductor config patches, passed through to compile_fx.
     """
 
-    sites: frozenset[str] = frozenset(DEFAULT_SITES)
-    inner: str = "inductor"
+    sites: frozenset[str] = field(default_factory=lambda: frozenset(registry.DEFAULT_SITES))
+    compiler: str = "inductor"
     pin_rounding: bool | None = None
     debug: str | bool | None = None
     inductor: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sites", check_site_names(self.sites, "option 'sites'", OptionError))
-        if self.inner not in INNER_BACKENDS:
+        if self.compiler not in COMPILERS:
             raise OptionError(
-                f"unknown inner backend {self.inner!r} in option 'inner'; valid: {', '.join(INNER_BACKENDS)}"
+                f"unknown compiler {self.compiler!r} in option 'compiler'; valid: {', '.join(COMPILERS)}"
             )
         if self.pin_rounding is not None and not isinstance(self.pin_rounding, bool):
             raise OptionError(
@@ -83,6 +84,9 @@ class Options:
                 f"e.g. options={{'sites': ['rope']}}"
             )
         options = dict(options or {})
+        if "inner" in options:  # its name before 0.2
+            raise OptionError(f"option 'inner' is now 'compiler' (the compiler rla hands the aligned graph to): "
+                              f"compiler={options['inner']!r}")
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
@@ -102,7 +106,7 @@ class Options:
         """The Inductor config patches for rla's graphs, in the torch.compile backend and in
         vLLM alike: the `inductor` option plus `emulate_precision_casts` only when
         `pin_rounding` is set, so a graph with nothing to rewrite compiles exactly as the
-        inner compiler would with the user's own settings."""
+        compiler would with the user's own settings."""
         settings = dict(self.inductor)
         if self.pin_rounding is not None:
             settings["emulate_precision_casts"] = self.pin_rounding
@@ -112,7 +116,7 @@ class Options:
         """The options that change the rewritten graph or its compilation (not `debug`)."""
         return {
             "sites": sorted(self.sites),
-            "inner": self.inner,
+            "compiler": self.compiler,
             "pin_rounding": self.pin_rounding,
             "inductor": {k: repr(v) for k, v in sorted(self.inductor.items())},
         }

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from . import bundled
-from .backend import backend
+from .backend import Backend
 from .mismatch import MismatchReport, measure
 from .progress import say_progress, timed
 
@@ -27,7 +27,7 @@ def run_demo(inference: str | None = None, say: Callable[[str], None] = say_prog
              show: Callable[[str], None] = print, **sizes) -> MismatchReport:
     with timed(say, f"loading the shipped model ({bundled.MODEL_DIR.name}, bf16) and compiling it with backend='rla'"):
         model = bundled.load(torch.bfloat16)
-        found = backend(inner="aot_eager")
+        found = Backend(compiler="aot_eager")
         torch._dynamo.reset()
         with torch.no_grad():
             torch.compile(model, backend=found)(torch.tensor(bundled.prompts(1, 16)), use_cache=False)

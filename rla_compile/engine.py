@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -33,30 +34,34 @@ from torch.fx import Graph, GraphModule, Node
 from . import ops
 from .config import Options
 from .report import GraphReport, NearMiss, SiteReport
-from .sites import DEFAULT_SITES, MATCHERS, Match, Miss
+from .rewriter import Rewriter, tag_own_roundings
+from . import sites as registry
+from .sites import Match, Miss
 
-__all__ = ["align", "find_sites", "mark_recompute", "mark_save", "ROUNDING_TAG", "is_site_rounding"]
-
-ROUNDING_TAG = "rla_round"  # node.meta["custom"][ROUNDING_TAG] = site kind, on every output rounding
-
-
-def is_site_rounding(node: Node) -> bool:
-    return ROUNDING_TAG in (node.meta.get("custom") or {})
+__all__ = ["align", "find_sites", "Sites"]
 
 
-def find_sites(graph: Graph, selected: Iterable[str]) -> tuple[list[Match], list[tuple[Match, str]], list[Miss]]:
-    """(matches to align, matches skipped with a reason, near misses), in registry order.
+class Sites(NamedTuple):
+    """What the matchers found in a graph, in registry order."""
+
+    aligned: list[Match]  # the sites to align
+    skipped: list[tuple[Match, str]]  # sites found but not aligned, each with the reason
+    misses: list[Miss]  # near misses: candidates rejected, each with the condition that failed
+
+
+def find_sites(graph: Graph, selected: Iterable[str]) -> Sites:
+    """The sites of the `selected` kinds in `graph`, those skipped, and the near misses.
 
     A matcher's candidate whose anchor an earlier matcher already claimed is the same site and
     is not looked at again; one whose nodes overlap an earlier site is skipped with a reason.
     """
     selected = set(selected)
     found = _Found()
-    for matcher in MATCHERS:
+    for matcher in registry.MATCHERS:
         for anchor in list(matcher.candidates(graph)):
             if anchor not in found.sites:
                 found.add(anchor, matcher.match(anchor), selected)
-    return list(found.sites.values()), found.skipped(), found.misses(selected)
+    return Sites(list(found.sites.values()), found.skipped(), found.misses(selected))
 
 
 class _Found:
@@ -76,7 +81,7 @@ class _Found:
         if isinstance(result, Miss):
             self.missed.append(result)
         elif result.kind not in selected:
-            if result.kind in DEFAULT_SITES:  # deselected: reported as skipped
+            if result.kind in registry.DEFAULT_SITES:  # deselected: reported as skipped
                 self.unselected.setdefault(anchor, result)
             # an opt-in site (logits) not asked for is not a skipped site
         elif (other := next((self.owner[n] for n in result.nodes if n in self.owner), None)) is not None:
@@ -96,7 +101,7 @@ class _Found:
         claimed = set(self.owner) | {n for m in self.unselected.values() for n in m.nodes}
         claimed |= {n for m, _ in self.overlapping for n in m.nodes}
         return [m for m in self.missed if m.anchor not in self.sites and m.anchor not in self.unselected
-                and m.anchor not in claimed and (m.kind in selected or m.kind in DEFAULT_SITES)]
+                and m.anchor not in claimed and (m.kind in selected or m.kind in registry.DEFAULT_SITES)]
 
 
 def _site_dtype(match: Match) -> torch.dtype:
@@ -112,224 +117,6 @@ def _mixed_note(match: Match) -> str:
     if len({ops.dtype_of(p) for p in inputs} & set(ops.LOW_PRECISION)) < 2:
         return ""
     return "mixed bfloat16 and float16 inputs: each upcast; outputs keep their dtype (promoted ones are not rounded)"
-
-
-class _Rewriter:
-    """Applies the contract to matched regions of one graph."""
-
-    def __init__(self, graph: Graph, site_nodes: set[Node], post_grad: bool = False):
-        self.graph = graph
-        self.post_grad = post_grad  # Inductor's post-grad IR: casts are prims.convert_element_type
-        self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
-        self._fp32_only: dict[Node, bool] = {}
-
-    # -- inputs -------------------------------------------------------------------------
-    def bypassable(self, value: Node) -> tuple[Node, set[Node]] | None:
-        """(the cast that rounded `value`'s fp32 origin, the data-movement nodes between it and
-        the sites) if that rounding only feeds sites, through views, gathers, splits and the
-        sites' own upcasts of it (`cos.float()` inside a site)."""
-        chain = value
-        while ops.moves_data(chain):
-            chain = chain.args[0]
-        if not ops.is_cast(chain) or ops.dtype_of(chain.args[0]) != torch.float32:
-            return None
-        if is_site_rounding(chain) or chain.args[0] in self.site_nodes:
-            return None  # a site's own output rounding (e.g. the residual stream's) stays
-        if not self._computed_in_fp32(chain.args[0]):
-            return None  # an activation's rounding (e.g. an MoE block's output) is the model's
-        moved: set[Node] = set()
-        frontier = [(user, chain) for user in chain.users]
-        while frontier:
-            user, source = frontier.pop()
-            if user in self.site_nodes or user in moved:
-                continue
-            if not ((ops.moves_data(user) or ops.widens(user)) and user.args[0] is source):
-                return None
-            moved.add(user)
-            frontier.extend((u, user) for u in user.users)
-        return chain, moved
-
-    def _computed_in_fp32(self, node: Node) -> bool:
-        """Whether `node` is computed from integers and fp32 values only (RoPE's tables from
-        positions and inv_freq), never from a low-precision activation."""
-        if node not in self._fp32_only:
-            stack, seen, result = [node], set(), True
-            while stack and result:
-                current = stack.pop()
-                if current in seen:
-                    continue
-                seen.add(current)
-                if ops.is_low_precision(current) or self._fp32_only.get(current) is False:
-                    result = False
-                stack.extend(current.all_input_nodes)
-            self._fp32_only[node] = result
-        return self._fp32_only[node]
-
-    def rounded_upcast(self, value: Node) -> tuple[Node, set[Node]] | None:
-        """The bypass for a site input that is an upcast of a rounding the bypass rule covers
-        (`cos32.to(bf16)` outside, `cos.float()` inside the site)."""
-        if ops.widens(value) and ops.is_low_precision(value.args[0]):
-            return self.bypassable(value.args[0])
-        return None
-
-    def _bypass(self, cast: Node, moved: set[Node]) -> None:
-        """Read the fp32 origin; the data movement between it and the sites now carries fp32."""
-        cast.replace_all_uses_with(cast.args[0])
-        self.graph.erase_node(cast)
-        for node in moved:
-            _set_dtype(node, torch.float32)
-
-    def to_fp32(self, value: Node, upcasts: dict[Node, Node], reader: Node) -> Node:
-        """The fp32 version of `value` for one site (`upcasts`: that site's upcasts so far),
-        placed just before `reader`, its first reader in the site: the value's other users keep
-        their order, so a bf16 value's gradients still accumulate in the order they did (a
-        post-norm block's residual stream feeds its MLP before the residual add; a graph input
-        read by a projection before the site)."""
-        if value in upcasts:
-            return upcasts[value]
-        bypass = self.bypassable(value)
-        if bypass is not None:
-            self._bypass(*bypass)
-            result = value
-        else:
-            with self.graph.inserting_before(reader):
-                result = self._cast(value, torch.float32, f"{value.name}_fp32")
-        upcasts[value] = result
-        return result
-
-    def _cast(self, value: Node, dtype: torch.dtype, name: str) -> Node:
-        if self.post_grad:
-            target, args, kwargs = torch.ops.prims.convert_element_type.default, (value, dtype), {}
-        else:
-            target, args, kwargs = torch.ops.aten._to_copy.default, (value,), {"dtype": dtype}
-        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
-        node.meta.update({k: v for k, v in value.meta.items() if k in ("nn_module_stack", "stack_trace")})
-        node.meta["val"] = value.meta["val"].to(dtype)
-        return node
-
-    # -- the rewrite --------------------------------------------------------------------
-    def rewrite(self, match: Match) -> None:
-        region = match.nodes
-        order = [n for n in self.graph.nodes if n in region]
-        outside = {n: [u for u in n.users if u not in region] for n in order}
-        dtype_before = {n: ops.dtype_of(n) for n in order}
-
-        upcasts: dict[Node, Node] = {}
-        for node in order:  # 1. inputs
-            for value in node.all_input_nodes:
-                if value not in region and ops.is_low_precision(value):
-                    node.replace_input_with(value, self.to_fp32(value, upcasts, node))
-                elif value not in region and (bypass := self.rounded_upcast(value)) is not None:
-                    self._bypass(*bypass)
-
-        fp32_value: dict[Node, Node] = {}  # region node -> the node now holding its fp32 value
-        rounding: dict[Node, Node] = {}  # region node -> its output rounding
-        for node in order:  # 2. inside: casts disappear, everything else computes in fp32
-            if ops.is_cast(node):
-                source = node.args[0]
-                fp32_value[node] = fp32_value.get(source, source)
-                for user in list(node.users):
-                    if user in region:
-                        user.replace_input_with(node, fp32_value[node])
-            else:
-                fp32_value[node] = node
-                if ops.dtype_of(node) in ops.LOW_PRECISION:
-                    _set_dtype(node, torch.float32)
-
-        for node in order:  # 3. outputs: one rounding per value read outside
-            users = outside[node]
-            if not users:
-                continue
-            value = fp32_value[node]
-            if not match.rounds_outputs:  # the logits: they leave in fp32; an upcast of them is now a no-op
-                for user in users:
-                    if ops.widens(user) and ops.dtype_of(user) == torch.float32:
-                        user.replace_all_uses_with(value)
-                        self.graph.erase_node(user)
-                    else:
-                        user.replace_input_with(node, value)
-                continue
-            if dtype_before[node] in ops.LOW_PRECISION:
-                with self.graph.inserting_after(value):
-                    rounded = self._cast(value, dtype_before[node], f"{node.name}_rounded")
-                _tag_rounding(rounded, match.kind)
-                rounding[node] = rounded
-            else:
-                rounded = value
-                for user in users:  # the model's own rounding of an fp32 output: keep it
-                    if ops.is_cast(user) and ops.is_low_precision(user):
-                        _tag_rounding(user, match.kind)
-            for user in users:
-                user.replace_input_with(node, rounded)
-
-        for node in reversed(order):
-            if ops.is_cast(node) and not node.users:
-                self.graph.erase_node(node)
-
-        if not self.post_grad:  # 4. what the backward recomputes (pre-dispatch: before autograd)
-            for role in match.recompute:
-                upcast = upcasts.get(match.roles[role])
-                if upcast is not None and upcast is not match.roles[role]:  # not bypassed
-                    mark_recompute(upcast)
-            for role in match.save:
-                if match.roles[role] in rounding:
-                    mark_save(rounding[match.roles[role]])
-
-
-def mark_recompute(upcast: Node) -> None:
-    """Tag a site's fp32 upcast of an input for recomputation in the backward (AOTAutograd's
-    partitioner honours `meta["recompute"]`, the tag activation checkpointing uses): the
-    backward then saves the low-precision input instead of its fp32 copy, and upcasts it
-    again, exactly (the same bits)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    upcast.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-
-
-def mark_save(rounding: Node) -> None:
-    """Tag a site's output rounding to be saved for the backward (`meta["recompute"]`, as
-    above), so the backward reads the stored low-precision value instead of recomputing it.
-
-    For a rounding that the backward would otherwise recompute and upcast in one kernel: the
-    residual stream, where the partitioner left alone recomputes round(s_k) and the next sum
-    up(round(s_k)) + up(out_k+1) from the block outputs, a chain of pointwise ops Inductor fuses
-    into one kernel. There its C++ code generator would hand the upcast the fp32 value the
-    rounding came from, so `backend.keep_site_roundings` must run those upcasts on ATen (small
-    Llama training 1.08x plain Inductor). Saved, the stream is a backward input: no rounding
-    in the backward's kernels at all. It costs bytes: the norm's backward reads the fp32 sum, rebuilt
-    from the saved stream and the block output (two bf16 tensors), where plain Inductor's norm
-    reads its one saved bf16 sum (benchmarks/results/residual_save_cpu.json). Inside an
-    activation-checkpointed region, the checkpoint's own policy replaces this tag."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    rounding.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-
-
-def _set_dtype(node: Node, dtype: torch.dtype) -> None:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor) and val.dtype != dtype:
-        node.meta["val"] = val.to(dtype)
-    node.meta.pop("tensor_meta", None)
-
-
-def _tag_rounding(node: Node, kind: str) -> None:
-    node.meta["custom"] = {**(node.meta.get("custom") or {}), ROUNDING_TAG: kind}
-    # Read by Inductor's pointwise lowering: round here even when the consumer fuses.
-    node.meta["low_precision_pointwise_barrier"] = True
-
-
-def _tag_own_roundings(match: Match) -> None:
-    """An already aligned site's own rounding of its fp32 output is its one rounding, and is
-    kept like a rewritten site's: tagged, so that Inductor neither fuses it away nor computes
-    the fp32 value it rounds with other math than eager's when rounding is pinned (litgpt's
-    Qwen3 q/k norms: Inductor's own mean moved one element of one row across a rounding
-    boundary, 33 logits differed)."""
-    if not match.rounds_outputs:
-        return
-    for node in match.nodes:
-        for user in node.users:
-            if user not in match.nodes and ops.is_cast(user) and ops.is_low_precision(user):
-                _tag_rounding(user, match.kind)
 
 
 def _where(node: Node) -> tuple[str, str]:
@@ -358,20 +145,20 @@ def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: boo
     `post_grad`: the graph is Inductor's post-grad IR (inference passes, vLLM), where new casts
     must be `prims.convert_element_type`; otherwise pre-dispatch ATen (the rla backend)."""
     graph = gm.graph
-    matches, skipped, misses = find_sites(graph, options.sites)
-    plans = _plans(graph, matches, skipped)
-    rewriter = _Rewriter(graph, {n for p in plans if p.status is None for n in p.match.nodes}, post_grad)
+    found = find_sites(graph, options.sites)
+    plans = _plans(graph, found.aligned, found.skipped)
+    rewriter = Rewriter(graph, {n for p in plans if p.status is None for n in p.match.nodes}, post_grad)
     _decide(plans, rewriter)
     for plan in plans:
         if plan.status == "rewritten":
             rewriter.rewrite(plan.match)
         elif plan.status == "already_aligned" and plan.dtype in ops.LOW_PRECISION:
-            _tag_own_roundings(plan.match)
+            tag_own_roundings(plan.match)
 
     report = GraphReport(
         graph=name,
         sites=[_site_report(p) for p in plans],
-        near_misses=[NearMiss(m.kind, m.anchor.name, ops.module_path(m.anchor), m.reason) for m in misses],
+        near_misses=[NearMiss(m.kind, m.anchor.name, ops.module_path(m.anchor), m.reason) for m in found.misses],
         note=_graph_note(graph),
     )
     if any(s.status == "rewritten" for s in report.sites):
@@ -397,7 +184,7 @@ def _plans(graph: Graph, matches: list[Match], skipped: list[tuple[Match, str]])
     return plans
 
 
-def _decide(plans: list[_Plan], rewriter: _Rewriter) -> None:
+def _decide(plans: list[_Plan], rewriter: Rewriter) -> None:
     """Rewritten, or already aligned: computed in fp32 with no rounding inside and none of its
     inputs a rounding the cast bypass would remove."""
     for plan in plans:

@@ -259,3 +259,19 @@ def call_nodes(graph: Graph, *names: str) -> Iterator[Node]:
     for node in graph.nodes:
         if node.op == "call_function" and (not names or op_name(node) in names):
             yield node
+
+
+# -- the tag on every site rounding -----------------------------------------------------------
+
+ROUNDING_TAG = "rla_round"  # node.meta["custom"][ROUNDING_TAG] = site kind, on every output rounding
+
+
+def is_site_rounding(node: Node) -> bool:
+    return ROUNDING_TAG in (node.meta.get("custom") or {})
+
+
+def tag_rounding(node: Node, kind: str) -> None:
+    """Mark `node` as a `kind` site's output rounding, which Inductor must keep."""
+    node.meta["custom"] = {**(node.meta.get("custom") or {}), ROUNDING_TAG: kind}
+    # Read by Inductor's pointwise lowering: round here even when the consumer fuses.
+    node.meta["low_precision_pointwise_barrier"] = True

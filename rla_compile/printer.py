@@ -12,7 +12,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from . import ops
-from .engine import ROUNDING_TAG
+from .ops import ROUNDING_TAG
 
 __all__ = ["format_graph"]
 

@@ -130,6 +130,8 @@ def _opaque_sites() -> dict:
     `nn.RMSNorm` trace as one `aten.rms_norm` (then `_fused_rms_norm`) otherwise."""
     from torch._decomp import core_aten_decompositions, decomposition_table
 
+    from .sites import SITES
+
     table = {**core_aten_decompositions(), **decomposition_table}
-    hidden = (torch.ops.aten.rms_norm.default, torch.ops.aten._fused_rms_norm.default)
-    return {op: table[op] for op in hidden if op in table}
+    hidden = {name for site in SITES for name in site.opaque_ops}
+    return {op: fn for op, fn in table.items() if op.namespace == "aten" and op._opname in hidden}

@@ -86,23 +86,25 @@ assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith
 
 
 def test_public_names_load_on_first_use():
-    """`rla_compile` loads its public names lazily; they mean what they meant, `backend` stays
-    the function once the submodule of the same name is loaded, and `import *` does not bind
-    `inspect` (it would shadow the standard module)."""
+    """`rla_compile` loads its public names lazily and each means one thing: `rla_compile.backend`
+    is the module (imported or not), `Backend` the backend; `import *` binds no alias that
+    would shadow a standard module (`inspect` was one)."""
     code = """
-import importlib, sys
+import sys
 import rla_compile
-importlib.import_module("rla_compile.backend")  # the import system binds the submodule to the package
-from rla_compile import backend, SITE_KINDS
-assert rla_compile.backend is backend and callable(backend) and backend.__module__ == "rla_compile.backend"
+assert rla_compile.backend.__name__ == "rla_compile.backend"  # a submodule, loaded on first use
+import rla_compile.backend as module
+assert rla_compile.backend is module and module.__name__ == "rla_compile.backend"
+from rla_compile import Backend, SITE_KINDS
+assert rla_compile.Backend is Backend is module.Backend
 assert rla_compile.SITE_KINDS is SITE_KINDS
-assert rla_compile.inspect is rla_compile.align_function  # the earlier name, still there
+assert not hasattr(rla_compile, "inspect") and not hasattr(rla_compile, "rla_backend")
 namespace = {}
 exec("import inspect\\nfrom rla_compile import *", namespace)
 assert namespace["inspect"] is sys.modules["inspect"], "import * rebound inspect"
-assert set(rla_compile.__all__) <= set(namespace) and "inspect" not in rla_compile.__all__
+assert set(rla_compile.__all__) <= set(namespace) and "backend" not in rla_compile.__all__
 assert set(rla_compile.__all__) <= set(dir(rla_compile))
-rla_compile.backend(inner="aot_eager")
+rla_compile.Backend(compiler="aot_eager")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

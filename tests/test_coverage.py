@@ -3,7 +3,7 @@
 For every model: the sites its config implies are found in training and in inference, every
 one is rewritten or reported already aligned, and the aligned model equals the same model
 run eagerly with its sites replaced by the contract reference — logits and every parameter
-gradient, bit for bit on eager kernels (`inner="aot_eager"`)."""
+gradient, bit for bit on eager kernels (`compiler="aot_eager"`)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _train(model, ids, backend=None):
 @pytest.mark.parametrize("name", list(handwritten.HANDWRITTEN))
 def test_handwritten_model_equals_contract_reference(name):
     model, ids = handwritten.build(name), tokens()
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     got = _train(model, ids, backend)
     model.forward = model.forward_contract
     reference = _train(model, ids)
@@ -71,7 +71,7 @@ def test_handwritten_model_equals_contract_reference(name):
 def test_handwritten_model_under_inductor_pinned():
     model, ids = handwritten.build("nanogpt-swiglu"), tokens()
     with inductor_config.patch(emulate_precision_casts=True):
-        got = _train(model, ids, rla_compile.backend(pin_rounding=True))
+        got = _train(model, ids, rla_compile.Backend(pin_rounding=True))
     model.forward = model.forward_contract
     reference = _train(model, ids)
     assert_same_parameters(got, reference)
@@ -83,7 +83,7 @@ def test_handwritten_model_under_inductor_pinned():
 def test_hf_family_equals_contract_reference(entry):
     """Every site, residual and MoE experts included: tests/support/hf_reference.py."""
     model, ids = entry.build(), tokens()
-    got = _train(model, ids, rla_compile.backend(inner="aot_eager"))
+    got = _train(model, ids, rla_compile.Backend(compiler="aot_eager"))
     torch._dynamo.reset()
     with contract_sites(model):
         reference = _train(model, ids)
@@ -98,7 +98,7 @@ def test_hf_family_under_inductor_pinned(name):
     entry = next(e for e in ENTRIES if e.name == name)
     model, ids = entry.build(), tokens()
     with inductor_config.patch(emulate_precision_casts=True):
-        got = _train(model, ids, rla_compile.backend(pin_rounding=True))
+        got = _train(model, ids, rla_compile.Backend(pin_rounding=True))
     torch._dynamo.reset()
     with contract_sites(model):
         reference = _train(model, ids)
@@ -117,6 +117,6 @@ def test_fp32_model_equals_plain_compilation(entry):
     rounding to move, so rla's graph must train exactly as plain compilation's, with the same
     parameters getting gradients (in bf16 the contract tests above check the same set)."""
     model, ids = entry.build().float(), tokens()
-    got = _train(model, ids, rla_compile.backend(inner="aot_eager"))
+    got = _train(model, ids, rla_compile.Backend(compiler="aot_eager"))
     torch._dynamo.reset()
     assert mismatches(got, _train(model, ids, "aot_eager")) == 0

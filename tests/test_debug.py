@@ -21,7 +21,7 @@ BY_NAME = {c.name: c for c in CASES}
 
 
 def _compile_with_debug(fn, args, directory):
-    backend = rla_compile.backend(inner="aot_eager", debug=str(directory))
+    backend = rla_compile.Backend(compiler="aot_eager", debug=str(directory))
     torch.compile(fn, backend=backend, fullgraph=True)(*args)
     return backend
 
@@ -33,7 +33,7 @@ class DumpContents(expecttest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             directory = Path(tmp) / "dump"
             model = tiny_causal_lm("llama")
-            backend = rla_compile.backend(inner="aot_eager", debug=str(directory))
+            backend = rla_compile.Backend(compiler="aot_eager", debug=str(directory))
             with torch.no_grad():
                 torch.compile(model, backend=backend)(torch.randint(0, 128, (1, 8)), use_cache=False)
             index = (directory / "index.txt").read_text().splitlines()
@@ -117,7 +117,7 @@ def _run_example_with_env(env_extra: dict, cwd: Path) -> subprocess.CompletedPro
         f"sys.path.insert(0, {str(ROOT / 'tests' / 'support')!r})\n"
         "from site_cases import glu_silu\n"
         "g, u = torch.randn(2, 8, 64).bfloat16(), torch.randn(2, 8, 64).bfloat16()\n"
-        "torch.compile(glu_silu, backend='rla', options={'inner': 'aot_eager'})(g, u)\n"
+        "torch.compile(glu_silu, backend='rla', options={'compiler': 'aot_eager'})(g, u)\n"
     )
     env = dict(os.environ, **env_extra)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd, check=True)

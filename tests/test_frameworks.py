@@ -48,10 +48,10 @@ def _counts(report):
 @pytest.mark.parametrize("entry", MODELS, ids=lambda e: e.name)
 def test_sites_match_the_architecture(entry):
     model = _model(entry)
-    train = rla_compile.backend(inner="aot_eager")
+    train = rla_compile.Backend(compiler="aot_eager")
     torch.compile(model, backend=train)(_ids())
     torch._dynamo.reset()
-    infer = rla_compile.backend(inner="aot_eager")
+    infer = rla_compile.Backend(compiler="aot_eager")
     with torch.no_grad():
         torch.compile(model, backend=infer)(_ids())
     for backend in (train, infer):
@@ -64,7 +64,7 @@ def test_sites_match_the_architecture(entry):
 @pytest.mark.parametrize("entry", MODELS, ids=lambda e: e.name)
 def test_equals_contract_reference(entry):
     model = _model(entry)
-    got = _train(model, rla_compile.backend(inner="aot_eager"))
+    got = _train(model, rla_compile.Backend(compiler="aot_eager"))
     torch._dynamo.reset()
     with contract_sites(model):
         reference = _train(model)
@@ -77,7 +77,7 @@ def test_fp32_model_equals_plain_compilation(entry):
     """The guard against lost gradients where no site is involved (test_coverage.py's, for the
     peer frameworks' models): in fp32, rla trains exactly as plain compilation."""
     model = _model(entry).float()
-    got = _train(model, rla_compile.backend(inner="aot_eager"))
+    got = _train(model, rla_compile.Backend(compiler="aot_eager"))
     torch._dynamo.reset()
     assert mismatches(got, _train(model, "aot_eager")) == 0
 
@@ -85,10 +85,10 @@ def test_fp32_model_equals_plain_compilation(entry):
 @pytest.mark.parametrize("entry", MODELS, ids=lambda e: e.name)
 def test_inductor_pinned_gives_the_eager_kernels_logits(entry):
     model = _model(entry)
-    expected = _train(model, rla_compile.backend(inner="aot_eager"))["logits"]
+    expected = _train(model, rla_compile.Backend(compiler="aot_eager"))["logits"]
     torch._dynamo.reset()
     with inductor_config.patch(emulate_precision_casts=True, fx_graph_cache=False):
-        got = _train(model, rla_compile.backend(pin_rounding=True))["logits"]
+        got = _train(model, rla_compile.Backend(pin_rounding=True))["logits"]
     assert int((got != expected).sum()) == 0
 
 
@@ -104,10 +104,10 @@ def test_litgpt_qwen3_at_a_larger_size_is_invariant():
     torch.manual_seed(0)
     model = GPT(config).to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
-    expected = torch.compile(model, backend=rla_compile.backend(inner="aot_eager"))(ids)
+    expected = torch.compile(model, backend=rla_compile.Backend(compiler="aot_eager"))(ids)
     torch._dynamo.reset()
     with inductor_config.patch(emulate_precision_casts=True, fx_graph_cache=False):
-        got = torch.compile(model, backend=rla_compile.backend(pin_rounding=True))(ids)
+        got = torch.compile(model, backend=rla_compile.Backend(pin_rounding=True))(ids)
     assert int((got != expected).sum()) == 0
 
 

@@ -138,7 +138,7 @@ def test_a_custom_function_keeps_its_gradient(inner, dtype):
         torch._dynamo.reset()
         return out.detach(), w.grad, s.grad
 
-    plain, aligned = run(inner), run(rla_compile.backend(inner=inner))
+    plain, aligned = run(inner), run(rla_compile.Backend(compiler=inner))
     for a, b in zip(aligned, plain, strict=True):
         assert b is not None and torch.equal(a, b)
 
@@ -149,7 +149,7 @@ def test_function_around_sites_equals_the_contract_reference(where, checkpointed
     """bf16, eager kernels: the sites outside the Function follow the contract, the Function
     runs its own forward and backward; output and every gradient bit for bit."""
     model = Block(where, checkpointed=checkpointed)
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     got = _step(model, _x(), backend)
     model.contract = True
     assert_same(got, _step(model, _x()))
@@ -169,7 +169,7 @@ def test_function_around_sites_equals_the_contract_reference(where, checkpointed
 def test_function_in_an_fp32_model_equals_plain_compilation(checkpointed):
     """No site has a rounding to move in fp32: rla's graph is plain compilation's, bit for bit."""
     model = Block("after", dtype=torch.float32, checkpointed=checkpointed)
-    got = _step(model, _x(torch.float32), rla_compile.backend(inner="aot_eager"))
+    got = _step(model, _x(torch.float32), rla_compile.Backend(compiler="aot_eager"))
     assert_same(got, _step(model, _x(torch.float32), "aot_eager"))
 
 
@@ -208,7 +208,7 @@ class CustomOpBlock(Block):
 
 def test_custom_op_with_autograd_formula_keeps_its_gradient():
     model = CustomOpBlock()
-    got = _step(model, _x(), rla_compile.backend(inner="aot_eager"))
+    got = _step(model, _x(), rla_compile.Backend(compiler="aot_eager"))
     model.contract = True
     assert_same(got, _step(model, _x()))
     assert got[1]["scale"] is not None

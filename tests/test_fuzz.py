@@ -1,5 +1,5 @@
 """Property-based fuzzing: random spellings of every site and random look-alikes, in random
-surrounding graphs (fuzz_graphs.py), compiled with `rla_compile.backend(inner="aot_eager")`.
+surrounding graphs (fuzz_graphs.py), compiled with `rla_compile.Backend(compiler="aot_eager")`.
 
 For every program:
 (a) each real site is in the report with its expected status, and the compiled output equals
@@ -74,7 +74,7 @@ class Capture:
     """The rla backend as users call it, plus the graph before and after `align` for (c)."""
 
     def __init__(self):
-        self.rla = rla_compile.backend(inner="aot_eager")
+        self.rla = rla_compile.Backend(compiler="aot_eager")
         self.graphs: list[tuple[GraphModule, GraphModule, list]] = []
 
     def __call__(self, gm, example_inputs):

@@ -1,5 +1,5 @@
 """Execution-strategy invariance over many inputs: with rounding pinned, rla under Inductor and
-rla on eager kernels (`inner="aot_eager"`) give the same logits bit for bit.
+rla on eager kernels (`compiler="aot_eager"`) give the same logits bit for bit.
 
 One input proves little: a 1-ulp fp32 difference inside a site (Inductor's own reduction
 order in RMSNorm's mean(x^2), its own vectorised cos/sin for RoPE's fp32 tables) crosses a
@@ -10,7 +10,6 @@ pinning in `KeepSiteRounding`, 2-7 of the 40 inputs differed per family here.
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 
 import pytest
@@ -25,7 +24,7 @@ pytest.importorskip("transformers")
 
 import family_sweep  # noqa: E402  (its family list needs transformers)
 
-backend_module = importlib.import_module("rla_compile.backend")
+import rla_compile.lowering as lowering
 
 VOCAB = 256
 SEEDS = range(40)
@@ -56,11 +55,11 @@ def test_pinned_logits_equal_eager_kernels_on_every_input(family, monkeypatch, r
         pinned_ops.update(str(n.target) for n in nodes)
         return nodes
 
-    eager_math_nodes = backend_module.eager_math_nodes
-    monkeypatch.setattr(backend_module, "eager_math_nodes", recording)
+    eager_math_nodes = lowering.eager_math_nodes
+    monkeypatch.setattr(lowering, "eager_math_nodes", recording)
 
-    pinned = rla_compile.backend(inner="inductor", pin_rounding=True)
-    eager_kernels = rla_compile.backend(inner="aot_eager")
+    pinned = rla_compile.Backend(compiler="inductor", pin_rounding=True)
+    eager_kernels = rla_compile.Backend(compiler="aot_eager")
     got = _logits(model, pinned, inputs, emulate=True)
     want = _logits(model, eager_kernels, inputs)
 
@@ -117,9 +116,9 @@ def test_pinned_layer_norm_and_softmax_round_eager_values(train):
                                                    _block_outputs("aot_eager", args, False))]
     assert plain[0] == 0 and all(plain[1:]), plain  # the input shows Inductor's own LayerNorm and softmax
 
-    pinned = rla_compile.backend(inner="inductor", pin_rounding=True)
+    pinned = rla_compile.Backend(compiler="inductor", pin_rounding=True)
     got = _block_outputs(pinned, args, True, train)
-    want = _block_outputs(rla_compile.backend(inner="aot_eager"), args, False, train)
+    want = _block_outputs(rla_compile.Backend(compiler="aot_eager"), args, False, train)
     assert [s.kind for s in pinned.reports[0].sites] == ["swiglu"]
     assert [int((a != b).sum()) for a, b in zip(got, want)] == [0, 0, 0, 0]
 
@@ -136,7 +135,7 @@ def test_graph_without_sites_keeps_inductors_layer_norm():
         torch._dynamo.reset()
         want = torch.compile(f, backend="inductor", dynamic=False)(x)
         torch._dynamo.reset()
-        rla = rla_compile.backend(pin_rounding=True)
+        rla = rla_compile.Backend(pin_rounding=True)
         got = torch.compile(f, backend=rla, dynamic=False)(x)
     assert rla.reports[0].sites == []
     assert torch.equal(got, want)

@@ -23,7 +23,7 @@ def _aligned_hidden(model, ids) -> torch.Tensor:
     """The decoder's last hidden state with the four default sites aligned (no head)."""
     torch._dynamo.reset()
     with torch.no_grad():
-        return torch.compile(model.model, backend=rla_compile.backend(inner="aot_eager"))(ids).last_hidden_state
+        return torch.compile(model.model, backend=rla_compile.Backend(compiler="aot_eager"))(ids).last_hidden_state
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma2", "mixtral"])
@@ -31,7 +31,7 @@ def test_head_logits_and_loss_follow_the_contract(family):
     model = tiny_causal_lm(family)
     ids = _ids(model.config.vocab_size)
     torch._dynamo.reset()
-    be = rla_compile.backend(inner="aot_eager", sites=ALL)
+    be = rla_compile.Backend(compiler="aot_eager", sites=ALL)
     out = torch.compile(model, backend=be)(ids, labels=ids, use_cache=False)
     torch._dynamo.reset()
     (site,) = [s for s in be.reports[0].sites if s.kind == "logits"]  # the head only, not an MoE router
@@ -47,7 +47,7 @@ def test_head_logits_and_loss_follow_the_contract(family):
 def test_inference_graph_head_is_found_by_its_name():
     model = tiny_causal_lm("llama")
     torch._dynamo.reset()
-    be = rla_compile.backend(inner="aot_eager", sites=ALL)
+    be = rla_compile.Backend(compiler="aot_eager", sites=ALL)
     with torch.no_grad():
         logits = torch.compile(model, backend=be)(_ids(128), use_cache=False).logits
     torch._dynamo.reset()
@@ -59,7 +59,7 @@ def test_logits_are_opt_in():
     assert "logits" not in rla_compile.Options().sites
     model = tiny_causal_lm("llama")
     torch._dynamo.reset()
-    be = rla_compile.backend(inner="aot_eager")
+    be = rla_compile.Backend(compiler="aot_eager")
     with torch.no_grad():
         logits = torch.compile(model, backend=be)(_ids(128), use_cache=False).logits
     torch._dynamo.reset()
@@ -104,7 +104,7 @@ def test_the_backward_saves_bf16_h_and_w_not_their_fp32_copies():
     saved = {}
     for name, sites in (("default", list(rla_compile.DEFAULT_SITES)), ("logits", ALL)):
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=rla_compile.backend(sites=sites))
+        compiled = torch.compile(model, backend=rla_compile.Backend(sites=sites))
         compiled(ids, labels=ids, use_cache=False).loss.backward()  # compile forward and backward
         tensors = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: tensors.append(t) or t, lambda t: t):

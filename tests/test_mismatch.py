@@ -216,15 +216,15 @@ def test_cli_bad_stack_is_a_clear_error():
 def test_localise_finds_the_first_divergence_at_a_site(sequences):
     same = localise(Stack.parse("hf-eager"), Stack.parse("hf-aot_eager"), sequences)
     assert same.first_divergence is None and len(same.points) == 4 * 10 + 3
-    assert [p.name for p in same.points][-3:] == ["model.norm", "logits", "logprobs"]
+    assert [p.name for p in same.points][-3:] == ["model.norm", "lm_head", "logprobs"]
     assert same.unchanged == {"hf-eager": True, "hf-aot_eager": True}  # recording changed neither run
     # eager ATen recomputing projections, attention, logits and logprobs from the recorded inputs
     replayed = [p for p in same.points if p.a_replay is not None]
-    assert {p.kind for p in replayed} == {"matmul", "attention", "logits", "logprobs"}
+    assert {p.kind for p in replayed} == {"matmul", "attention", "head", "logprobs"}
     assert all(p.a_replay == p.b_replay == 0 for p in replayed)
     aligned = localise(Stack.parse("hf-aot_eager"), Stack.parse("hf-aot_eager+rla"), sequences, check_unchanged=False)
     first = aligned.first_divergence
     index = aligned.points.index(first)
     assert all(p.equal for p in aligned.points[:index])
-    assert first.name == "model.layers.0.input_layernorm" and first.kind == "rmsnorm"
+    assert first.name == "model.layers.0.input_layernorm" and first.kind == "norm"
     assert "<- first" in aligned.table().splitlines()[2 + index]

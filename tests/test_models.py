@@ -1,5 +1,5 @@
 """Whole tiny HF models under backend="rla": the sites a config implies, and logits that do
-not depend on the inner compiler once rounding is pinned."""
+not depend on the compiler once rounding is pinned."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def _logits(model, backend, emulate=False):
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_tiny_model_sites_and_inner_independence(model_type, record_property):
     model = tiny_causal_lm(model_type)
-    pinned = rla_compile.backend(pin_rounding=True)
-    unpinned = rla_compile.backend()
-    eager_kernels = rla_compile.backend(inner="aot_eager")
+    pinned = rla_compile.Backend(pin_rounding=True)
+    unpinned = rla_compile.Backend()
+    eager_kernels = rla_compile.Backend(compiler="aot_eager")
     logits = {
         "rla inductor pinned": _logits(model, pinned, emulate=True),
         "rla inductor unpinned": _logits(model, unpinned),
@@ -47,7 +47,7 @@ def test_tiny_model_sites_and_inner_independence(model_type, record_property):
 
     # Without rla the compiled models round mid-site and land elsewhere.
     assert apart["inductor, rounding like eager (no rla)"] > base.numel() // 10
-    # With rounding pinned, bit-identical whatever the inner compiler (the sites' reductions
+    # With rounding pinned, bit-identical whatever the compiler (the sites' reductions
     # and fp32 cos/sin run on ATen's kernels; many inputs: test_invariance.py). Unpinned, the
     # sites still follow the contract but the rest of the graph
     # (attention's scale/mask/softmax casts) rounds where Inductor fuses: recorded, not asserted.

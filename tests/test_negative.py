@@ -117,7 +117,7 @@ def _tiny_llama_under_rla(dtype: torch.dtype):
     """A tiny Llama in `dtype`, 8 tokens, its logits under rla (aot_eager) and the one report."""
     model = tiny_causal_lm("llama", dtype=dtype)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     with torch.no_grad():
         got = torch.compile(model, backend=backend)(ids, use_cache=False).logits
     torch._dynamo.reset()
@@ -146,7 +146,7 @@ def test_rounding_before_a_site_is_not_the_sites():
     """A site reads its input as rounded by the code before it: `t.to(bf16).float()` is the
     rounded t. Only the site's own casts are removed (eager kernels: bit for bit)."""
     w = (1 + 0.2 * torch.randn(64)).bfloat16()
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     got = torch.compile(norm_of_rounded, backend=backend, fullgraph=True)(X, w)
     assert backend.reports[0].count("rmsnorm", "rewritten") == 1
     assert torch.equal(got, ref.rmsnorm((X.float() * 3).to(X.dtype), w))
@@ -154,7 +154,7 @@ def test_rounding_before_a_site_is_not_the_sites():
 
 # -- bad input: each gets the documented behaviour (docs/reliability.md) --------------------
 def _aot_eager(fn, *args, **options):
-    backend = rla_compile.backend(inner="aot_eager", **options)
+    backend = rla_compile.Backend(compiler="aot_eager", **options)
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     (report,) = backend.reports
     return out, report
@@ -188,7 +188,7 @@ def test_mixed_dtypes_under_inductor():
     """The same site through Inductor: compiles and keeps the fp32 output; Inductor's fp32
     sigmoid may differ from eager's in the last fp32 bit, hence the fp32-ulp tolerance."""
     g, u = X, Y.half()
-    backend = rla_compile.backend()
+    backend = rla_compile.Backend()
     got = torch.compile(_swiglu, backend=backend, fullgraph=True)(g, u)
     assert backend.reports[0].count("swiglu", "rewritten") == 1
     torch.testing.assert_close(got, ref.gated(g.float(), u.float()), rtol=2e-7, atol=1e-6)
@@ -291,7 +291,7 @@ def test_rope_tables_from_rounded_frequencies_are_noted():
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     notes = []
     for model in (loaded, cast):
-        backend = rla_compile.backend(inner="aot_eager")
+        backend = rla_compile.Backend(compiler="aot_eager")
         with torch.no_grad():
             torch.compile(model, backend=backend)(ids, use_cache=False)
         torch._dynamo.reset()

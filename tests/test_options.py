@@ -16,7 +16,7 @@ from rla_compile.config import OptionError, Options
 def test_defaults():
     options = Options()
     assert options.sites == frozenset(rla_compile.DEFAULT_SITES)  # logits is opt-in
-    assert (options.inner, options.pin_rounding, options.debug_dir) == ("inductor", None, None)
+    assert (options.compiler, options.pin_rounding, options.debug_dir) == ("inductor", None, None)
 
 
 def test_pin_rounding_sets_inductor_only_when_given():
@@ -45,13 +45,13 @@ def test_graph_without_sites_compiles_as_inductor_with_the_users_settings(how):
         torch._dynamo.reset()
         eager_rounding = torch.compile(f, backend="aot_eager")(x)
     assert torch.equal(expected, eager_rounding)  # the setting is what makes Inductor round like eager
-    rla = rla_compile.backend() if how == "global" else rla_compile.backend(inductor={"emulate_precision_casts": True})
+    rla = rla_compile.Backend() if how == "global" else rla_compile.Backend(inductor={"emulate_precision_casts": True})
     patch = {"emulate_precision_casts": how == "global", "fx_graph_cache": False}
     with inductor_config.patch(**patch):
         torch._dynamo.reset()
         got = torch.compile(f, backend=rla)(x)
         torch._dynamo.reset()
-        unpinned = torch.compile(f, backend=rla_compile.backend(pin_rounding=False))(x)
+        unpinned = torch.compile(f, backend=rla_compile.Backend(pin_rounding=False))(x)
     torch._dynamo.reset()
     assert rla.reports[0].sites == []
     assert torch.equal(got, expected)
@@ -61,9 +61,10 @@ def test_graph_without_sites_compiles_as_inductor_with_the_users_settings(how):
 @pytest.mark.parametrize(
     "options,message",
     [
-        ({"bogus": 1}, "unknown rla option(s) 'bogus'; valid: sites, inner, pin_rounding, debug, inductor"),
+        ({"bogus": 1}, "unknown rla option(s) 'bogus'; valid: sites, compiler, pin_rounding, debug, inductor"),
         ({"sites": ["rmsnorm", "layernorm"]}, "unknown site(s) 'layernorm' in option 'sites'; valid: rmsnorm, residual_rmsnorm, swiglu, rope, logits"),
-        ({"inner": "eager"}, "unknown inner backend 'eager' in option 'inner'; valid: inductor, aot_eager"),
+        ({"compiler": "eager"}, "unknown compiler 'eager' in option 'compiler'; valid: inductor, aot_eager"),
+        ({"inner": "aot_eager"}, "option 'inner' is now 'compiler' (the compiler rla hands the aligned graph to): compiler='aot_eager'"),
         ({"pin_rounding": "yes"}, "option 'pin_rounding' must be True, False or None"),
         ({"inductor": 3}, "option 'inductor' must be a dict"),
     ],
@@ -85,7 +86,7 @@ def test_bad_option_through_torch_compile():
 
 def test_bad_option_in_backend_object_is_raised_before_compiling():
     with pytest.raises(OptionError, match="unknown rla option"):
-        rla_compile.backend(sitez=["rope"])
+        rla_compile.Backend(sitez=["rope"])
 
 
 def test_sites_accepts_a_comma_separated_string():
@@ -95,7 +96,7 @@ def test_sites_accepts_a_comma_separated_string():
 def test_entry_point_needs_no_import_and_import_has_no_side_effects():
     code = (
         "import sys, torch\n"
-        "out = torch.compile(lambda x: x * 2, backend='rla', options={'inner': 'aot_eager'})(torch.ones(2))\n"
+        "out = torch.compile(lambda x: x * 2, backend='rla', options={'compiler': 'aot_eager'})(torch.ones(2))\n"
         "assert out.tolist() == [2.0, 2.0]\n"
         "print('rla' in torch._dynamo.list_backends())\n"
     )
@@ -116,7 +117,7 @@ def test_uuid_covers_rewrite_options_and_code(monkeypatch):
     assert Options(debug=True).uuid() == base  # debug never changes the graph
     assert Options(sites=frozenset({"rope"})).uuid() != base
     assert Options(pin_rounding=True).uuid() != base
-    assert Options(inner="aot_eager").uuid() != base
+    assert Options(compiler="aot_eager").uuid() != base
     assert Options(inductor={"max_autotune": True}).uuid() != base
     monkeypatch.setattr(rla_config, "_SOURCE_HASH", "edited source")
     assert Options().uuid() != base

@@ -161,7 +161,7 @@ def _train(callbacks, steps=2):
 def test_callback_compiles_the_trained_model():
     from rla_compile.integrations.trl import RlaCallback
 
-    callback = RlaCallback(inner="aot_eager")
+    callback = RlaCallback(compiler="aot_eager")
     trainer, result = _train([callback])
     assert math.isfinite(result.training_loss)
     (report,) = callback.backend.reports
@@ -174,11 +174,11 @@ def test_enable_reaches_every_trainer_and_disable_undoes_it():
 
     with pytest.raises(OptionError, match="unknown site"):
         rla_trl.enable(sites=["ropes"], vllm=False)
-    rla_trl.enable(vllm=False, inner="aot_eager")
+    rla_trl.enable(vllm=False, compiler="aot_eager")
     try:
         trainer, _ = _train(None, steps=1)
         (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, rla_trl.RlaCallback)]
-        assert callback.backend.reports and callback.options.inner == "aot_eager"
+        assert callback.backend.reports and callback.options.compiler == "aot_eager"
         assert "RLA_VLLM" not in os.environ  # vllm=False leaves engines alone
     finally:
         rla_trl.disable()
@@ -190,7 +190,7 @@ def test_enable_sets_the_vllm_switch(monkeypatch):
     from rla_compile.integrations import trl as rla_trl
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as without vLLM: the variables only
-    rla_trl.enable(trainer=False, sites=["rope", "swiglu"], inner="aot_eager")
+    rla_trl.enable(trainer=False, sites=["rope", "swiglu"], compiler="aot_eager")
     try:
         assert os.environ["RLA_VLLM"] == "1"
         assert rla_vllm.options_from_env() == Options(sites=frozenset({"rope", "swiglu"}))
@@ -211,7 +211,7 @@ def test_enable_without_trl_says_what_is_on_and_off(monkeypatch, caplog):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     monkeypatch.setattr(rla_trl, "_HEAD_PATCHED", False)
     with caplog.at_level(logging.INFO, logger=rla_trl.__name__):
-        status = rla_trl.enable(sites=["rope", "logits"], inner="aot_eager")
+        status = rla_trl.enable(sites=["rope", "logits"], compiler="aot_eager")
     try:
         assert status.on[0] == "RlaCallback on every transformers.Trainer built afterwards"
         assert any(part.startswith("RLA_VLLM=1") for part in status.on)

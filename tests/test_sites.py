@@ -1,15 +1,15 @@
 """Every site spelling, compiled with the rla backend, follows the contract bit for bit:
-outputs and the gradients of every input, bf16 and fp16, both inner backends, rounding pinned
+outputs and the gradients of every input, bf16 and fp16, both compilers, rounding pinned
 or not. Without rla (Inductor rounding like eager) the same functions differ.
 
 What "bit for bit" compares against:
-- inner="aot_eager" runs eager kernels: equal to the eager fp32 reference.
-- inner="inductor": equal to the same reference compiled by Inductor with the same settings.
+- compiler="aot_eager" runs eager kernels: equal to the eager fp32 reference.
+- compiler="inductor": equal to the same reference compiled by Inductor with the same settings.
   Against the *eager* reference, Inductor's own fp32 kernels (its reduction order in the
   backward's sums, its vectorised tanh/exp) can move a value across a rounding boundary: at
   most 1 ulp of the output dtype, in at most 1% of elements. That is the compiler's fp32
   arithmetic, not a rounding location, and the test bounds it.
-- inner="inductor" with rounding pinned: the outputs equal the *eager* reference, since the
+- compiler="inductor" with rounding pinned: the outputs equal the *eager* reference, since the
   reductions and transcendentals a site rounding reads run on ATen's kernels
   (`KeepSiteRounding`); each gradient equals one of the two references (values saved from the
   forward are eager's, the backward's own sums Inductor's).
@@ -61,7 +61,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_site_follows_contract(case: Case, dtype, pin, inner):
-    backend = rla_compile.backend(inner=inner, pin_rounding=pin, sites=list(rla_compile.SITE_KINDS))
+    backend = rla_compile.Backend(compiler=inner, pin_rounding=pin, sites=list(rla_compile.SITE_KINDS))
     got = _run(case.fn, case, dtype, backend, emulate=pin)
     eager_ref = _run(case.reference, case, dtype)
 
@@ -96,7 +96,7 @@ def test_upcast_keeps_the_order_of_the_values_other_users():
     """OLMo2's post-norm block: the residual stream h feeds two projections, then the residual
     add. h's gradient sums three bf16 contributions in the order autograd meets h's users; the
     site's fp32 upcast of h must not become h's first user, or the sum's rounding changes."""
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     got = _run(POST_NORM.fn, POST_NORM, torch.bfloat16, backend)
     assert backend.reports[0].count("residual_rmsnorm", "rewritten") == 1
     assert _mismatches(got, _run(POST_NORM.reference, POST_NORM, torch.bfloat16)) == [0] * len(got)
@@ -130,7 +130,7 @@ def test_site_rounding_survives_fusion_into_a_consumer_unpinned():
     for inner in ("inductor", "aot_eager"):
         torch._dynamo.reset()
         with inductor_config.patch(emulate_precision_casts=False, fx_graph_cache=False):
-            outs[inner] = torch.compile(block, backend=rla_compile.backend(inner=inner, pin_rounding=False))(x, w, g, u, y)
+            outs[inner] = torch.compile(block, backend=rla_compile.Backend(compiler=inner, pin_rounding=False))(x, w, g, u, y)
     torch._dynamo.reset()
     assert _mismatches(outs["inductor"], outs["aot_eager"]) == [0, 0]
     # the contract, written out: each site rounds once, then the add rounds
@@ -163,7 +163,7 @@ def test_site_to_site_rounding_survives_the_cpu_kernel_cache_unpinned():
     outs = {}
     for inner in ("inductor", "aot_eager"):
         torch._dynamo.reset()
-        backend = rla_compile.backend(inner=inner, pin_rounding=False)
+        backend = rla_compile.Backend(compiler=inner, pin_rounding=False)
         with inductor_config.patch(fx_graph_cache=False):
             outs[inner] = torch.compile(q_norm_then_rope, backend=backend)(q, w, cos, sin)
         assert backend.reports[0].counts() == {"rmsnorm": 1, "rope": 1}
@@ -192,7 +192,7 @@ def test_every_variant_a_model_reports_has_a_case_checked_against_the_reference(
     whose output and gradients test_site_follows_contract compares with the contract reference."""
     checked = set()
     for case in CASES:
-        backend = rla_compile.backend(inner="aot_eager", sites=list(rla_compile.SITE_KINDS))
+        backend = rla_compile.Backend(compiler="aot_eager", sites=list(rla_compile.SITE_KINDS))
         torch._dynamo.reset()
         torch.compile(case.fn, backend=backend, fullgraph=True)(*case.inputs(torch.bfloat16))
         checked |= {(s.kind, s.variant) for r in backend.reports for s in r.sites}
@@ -204,7 +204,7 @@ def test_every_variant_a_model_reports_has_a_case_checked_against_the_reference(
 def test_an_already_aligned_sites_own_rounding_is_kept_like_a_rewritten_ones():
     """Left as written, its one rounding is still the site's: tagged, so Inductor keeps it and,
     pinned, computes what it rounds with eager's math (litgpt's Qwen3 q/k norms: Inductor's own
-    mean flipped one element, 33 logits differed between inner="inductor" pinned and aot_eager)."""
+    mean flipped one element, 33 logits differed between compiler="inductor" pinned and aot_eager)."""
     case = next(c for c in CASES if c.name == "norm_olmo_core")
     result = rla_compile.align_function(case.fn, *case.inputs(torch.bfloat16))
     assert result.report.count("rmsnorm", "already_aligned") == 1
@@ -217,7 +217,7 @@ def test_rotation_matrix_table_gradients_on_eager_kernels():
     add up where Inductor fuses) equal the reference on eager kernels."""
     case = next(c for c in CASES if c.name == "rope_matrix")
     case = dataclasses.replace(case, grads=(0, 1, 2))
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     got = _run(case.fn, case, torch.bfloat16, backend)
     assert backend.reports[0].count("rope", "rewritten") == 1
     assert _mismatches(got, _run(case.reference, case, torch.bfloat16)) == [0] * len(got)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import subprocess
-import importlib
 import sys
 from pathlib import Path
 
@@ -127,7 +126,7 @@ def _tp_step(sequence_parallel: bool, sites: str, cut: bool = False):
     forward = model
     if sites == "rla":
         torch._dynamo.reset()
-        forward = torch.compile(model, backend=rla_compile.backend(inner="aot_eager"))
+        forward = torch.compile(model, backend=rla_compile.Backend(compiler="aot_eager"))
     with contextlib.ExitStack() as stack:
         if sites == "contract":
             stack.enter_context(contract_sites(model, skip=(model.model.norm,) if cut else ()))
@@ -197,14 +196,14 @@ def test_subclass_graph_that_cannot_be_retraced_says_why(monkeypatch, caplog):
     report names the subclass and the error."""
     from torch.testing._internal.two_tensor import TwoTensor
 
-    backend_module = importlib.import_module("rla_compile.backend")
+    import rla_compile.backend as backend_module
 
     def fail(gm, example_inputs):
         raise RuntimeError("Unable to cast NotImplemented to Tensor")
 
     monkeypatch.setattr(backend_module, "pre_dispatch", fail)
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     out = torch.compile(lambda x, w: x * w, backend=backend)(x, TwoTensor(w, w))
     torch._dynamo.reset()
     assert torch.equal(out.a, x * w)
@@ -223,7 +222,7 @@ def test_tensor_subclass_inputs_are_aligned():
         return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
 
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     out = torch.compile(norm, backend=backend)(x, TwoTensor(w, w))
     torch._dynamo.reset()
     (report,) = backend.reports
@@ -259,7 +258,7 @@ class CheckpointedNano(handwritten.NanoSwiGLU):
 def test_checkpointed_handwritten_blocks_equal_contract_reference():
     torch.manual_seed(0)
     model, ids = CheckpointedNano().to(torch.bfloat16), tokens()
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     got = _train(model, ids, backend, hf=False)
     (report,) = backend.reports
     assert report.counts() == {"rmsnorm": 3, "residual_rmsnorm": 2, "swiglu": 2, "rope": 4}
@@ -272,7 +271,7 @@ def test_hf_gradient_checkpointing_equals_contract_reference():
     model, ids = tiny_causal_lm("llama"), tokens()
     model.gradient_checkpointing_enable()
     model.train()
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     got = _train(model, ids, backend)
     (report,) = backend.reports
     assert report.counts() == {"rmsnorm": 3, "residual_rmsnorm": 2, "swiglu": 2, "rope": 4}
@@ -286,25 +285,26 @@ def test_hf_gradient_checkpointing_equals_contract_reference():
 
 
 def test_the_backward_reads_the_residual_stream_saved(monkeypatch):
-    """The residual stream's roundings are saved for the backward (`engine.mark_save`), so no
+    """The residual stream's roundings are saved for the backward (`rewriter.mark_save`), so no
     backward kernel both rounds and upcasts it: without the tag the partitioner recomputed
     the stream from the block outputs, a fused chain of roundings and upcasts whose upcasts
     had to run on ATen (one per residual site; 1.08x plain Inductor's small training step).
     Pinned, the step still equals the contract reference (test_coverage's standard)."""
-    backend_module = importlib.import_module("rla_compile.backend")
-    fallbacks, keep = [], backend_module.keep_site_roundings
+    import rla_compile.lowering as lowering
+
+    fallbacks, keep = [], lowering.keep_site_roundings
 
     def counting(graph):
         keep(graph)
         fallbacks.append(sum(bool(n.meta.get("should_fallback")) for n in graph.nodes))
 
-    monkeypatch.setattr(backend_module, "keep_site_roundings", counting)
+    monkeypatch.setattr(lowering, "keep_site_roundings", counting)
     model, ids = tiny_causal_lm("llama"), tokens()
     with torch._inductor.config.patch(fx_graph_cache=False):
-        _train(model, ids, rla_compile.backend(pin_rounding=False))
+        _train(model, ids, rla_compile.Backend(pin_rounding=False))
         assert fallbacks == [0, 0]  # the forward graph and the backward graph
         torch._dynamo.reset()
-        got = _train(model, ids, rla_compile.backend(pin_rounding=True))
+        got = _train(model, ids, rla_compile.Backend(pin_rounding=True))
     torch._dynamo.reset()
     with contract_sites(model):
         reference = _train(model, ids)
@@ -316,7 +316,7 @@ def test_the_backward_reads_the_residual_stream_saved(monkeypatch):
 # -- dynamic shapes ---------------------------------------------------------------------------
 def _shapes_against_reference(shapes, mark):
     model = tiny_causal_lm("llama")
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     compiled = torch.compile(model, backend=backend)
     for batch, seq in shapes:
         ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seq))
@@ -349,7 +349,7 @@ def test_trainer_with_compiled_model_runs_rla(tmp_path, caplog):
     from transformers import Trainer, TrainingArguments
 
     model = tiny_causal_lm("llama")
-    model.compile(backend="rla", options={"inner": "aot_eager"})  # in place: Trainer reads forward's signature
+    model.compile(backend="rla", options={"compiler": "aot_eager"})  # in place: Trainer reads forward's signature
     batches = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": ids, "labels": ids} for ids in batches]
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, use_cpu=True,
@@ -357,7 +357,7 @@ def test_trainer_with_compiled_model_runs_rla(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="rla_compile"):
         result = Trainer(model=model, args=args, train_dataset=data).train()
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
-    summaries = [r.getMessage() for r in caplog.records if r.name == "rla_compile.backend"]
+    summaries = [r.getMessage() for r in caplog.records if r.name == "rla_compile.graph_pass"]
     assert summaries and all("rewritten residual_rmsnorm=4, rmsnorm=1, rope=4, swiglu=2" in s for s in summaries)
 
 
@@ -378,7 +378,7 @@ def test_peft_lora_model_equals_contract_reference():
     targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
     config = peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False)  # random B: adapters active
     model, ids = peft.get_peft_model(base, config), tokens()
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     got = _train(model, ids, backend)  # gradients of the LoRA weights only: the base is frozen
     (report,) = backend.reports
     assert report.counts() == expected_sites(base.config)

@@ -65,7 +65,7 @@ def _hf_counts(model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.arange(3, 20)[None], use_cache=False)
@@ -271,7 +271,7 @@ def test_localise_across_hf_and_vllm():
     assert len(names) == 4 * 10 + 3 and names[:3] == ["model.layers.0.input_layernorm",
                                                       "model.layers.0.self_attn.q_proj (output)",
                                                       "model.layers.0.self_attn.v_proj (output)"]
-    assert names[-4:] == ["model.layers.3.mlp", "model.norm", "logits", "logprobs"]
+    assert names[-4:] == ["model.layers.3.mlp", "model.norm", "lm_head", "logprobs"]
     assert result.unchanged == {"hf-aot_eager+rla": True, "vllm-inductor+rla": True}
     # the same embedding into an aligned norm: equal bit for bit, so the tokens line up
     assert result.points[0].equal
@@ -279,4 +279,4 @@ def test_localise_across_hf_and_vllm():
     assert first is not None and all(p.equal for p in result.points[:result.points.index(first)])
     assert result.points[-1].kind == "logprobs" and not result.points[-1].equal
     assert "<- first" in result.table().splitlines()[2 + result.points.index(first)]
-    assert all(p.b_replay is not None for p in result.points if p.kind in ("matmul", "attention", "logits", "logprobs"))
+    assert all(p.b_replay is not None for p in result.points if p.kind in ("matmul", "attention", "head", "logprobs"))

@@ -90,7 +90,7 @@ def test_rla_pass_on_vllm_pieces(name):
 def test_vllm_pieces_fp32_inside_sites():
     """After the pass, nothing inside a site rounds: the only bf16 casts left in the MLP piece are
     the sites' own output roundings (tagged) and the graph's casts outside sites."""
-    from rla_compile.engine import is_site_rounding
+    from rla_compile.ops import is_site_rounding
 
     gm = load("wrap_off_piece1")
     before = [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default

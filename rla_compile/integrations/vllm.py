@@ -42,10 +42,9 @@ from typing import Any
 
 from packaging.version import Version
 
-from ..backend import keep_site_roundings
 from ..config import OptionError, Options
-from ..debug import record, snapshot, wants_graphs
-from ..engine import align
+from ..graph_pass import align_and_record
+from ..lowering import keep_site_roundings
 from ..report import GraphReport
 
 __all__ = [
@@ -112,14 +111,9 @@ def _pass_class() -> type:
             self.reports: list[GraphReport] = []
 
         def __call__(self, graph) -> None:
-            gm = graph.owning_module
-            before = snapshot(gm) if wants_graphs(self.options.debug_dir) else None
-            report = align(gm, self.options, name=f"vllm_{len(self.reports)}", post_grad=True)
-            keep_site_roundings(graph)  # as the backend
+            report, _ = align_and_record(graph.owning_module, self.options, f"vllm_{len(self.reports)}", post_grad=True)
+            keep_site_roundings(graph)  # as the backend's Inductor does
             self.reports.append(report)
-            log.info("%s", report.summary())
-            if before is not None:
-                record(report, before, gm, self.options.debug_dir)
 
         def uuid(self) -> str:
             # A cache hit skips post-grad passes entirely (no report, no dump). So debug, which

@@ -4,11 +4,11 @@ the largest distance in ulps (units in the last place of the tensors' dtype) and
 of elements that differ, in execution order, the first divergence first.
 
 Points recorded per decoder layer, in execution order: the output of the two RMSNorms on the
-residual stream ("rmsnorm"; not the per-head q/k norms, see UNRECORDED), the query and value
-projections' outputs ("matmul"), the query and key after RoPE ("rope"), attention's
+residual stream ("norm"; not the per-head q/k norms, see UNRECORDED), the query and value
+projections' outputs ("matmul"), the query and key after RoPE ("rotary"), attention's
 output before o_proj ("attention": not a site), o_proj's output ("matmul"), the input of the
-MLP's down projection ("swiglu": the gated activation) and the MLP's output ("matmul"; not
-the layer's output, see UNRECORDED); then the final norm, the logits and the
+MLP's down projection ("activation": the gated activation) and the MLP's output ("matmul"; not
+the layer's output, see UNRECORDED); then the final norm, the logits ("lm_head", kind "head") and the
 fp32 logprobs at positions 0..T-2 (those that predict a token of the sequence).
 
 HF stacks are recorded with forward hooks and a wrapper around the modeling module's
@@ -121,10 +121,10 @@ def _recording(model, record: list):
     for name, module in model.named_modules():
         cls = type(module).__name__
         if "RMSNorm" in cls and not name.endswith(UNRECORDED):
-            handles.append(module.register_forward_hook(keep(name, "rmsnorm")))
+            handles.append(module.register_forward_hook(keep(name, "norm")))
         elif name.endswith("mlp.down_proj"):
             handles.append(module.register_forward_pre_hook(
-                lambda module, args, name=name: record.append((f"{name} (input)", "swiglu", args[0]))))
+                lambda module, args, name=name: record.append((f"{name} (input)", "activation", args[0]))))
         elif name.endswith("self_attn.q_proj") or name.endswith("self_attn.v_proj"):
             handles.append(module.register_forward_hook(keep(f"{name} (output)", "matmul")))
         elif name.endswith("self_attn.o_proj"):
@@ -139,8 +139,8 @@ def _recording(model, record: list):
 
             def rope(q, k, *args, _original=original, **kwargs):
                 q, k = _original(q, k, *args, **kwargs)
-                record.append(("rope (query)", "rope", q))
-                record.append(("rope (key)", "rope", k))
+                record.append(("rope (query)", "rotary", q))
+                record.append(("rope (key)", "rotary", k))
                 return q, k
 
             modeling.apply_rotary_pos_emb = rope
@@ -180,9 +180,9 @@ def _references(model, points: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             if source in points:
                 refs[point] = F.linear(points[source], linear.weight, linear.bias)
     if "model.norm" in points:
-        refs["logits"] = model.get_output_embeddings()(points["model.norm"][:, :-1])
-    if "logits" in points:
-        refs["logprobs"] = torch.log_softmax(points["logits"].float(), -1)
+        refs["lm_head"] = model.get_output_embeddings()(points["model.norm"][:, :-1])
+    if "lm_head" in points:
+        refs["logprobs"] = torch.log_softmax(points["lm_head"].float(), -1)
     return refs
 
 
@@ -198,11 +198,11 @@ def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> tuple[li
     with _recording(model, record):
         logits = hf_logits(stack, hf_runner(stack, model)[0], sequences)[:, :-1].detach()
     logprobs = torch.log_softmax(logits.float(), -1)  # as stacks.hf_logprobs scores
-    record += [("logits", "logits", logits), ("logprobs", "logprobs", logprobs)]
+    record += [("lm_head", "head", logits), ("logprobs", "logprobs", logprobs)]
     # RoPE points are recorded without their layer: number them in order
     layer_of_rope, named = 0, []
     for name, kind, tensor in record:
-        if kind == "rope":
+        if kind == "rotary":
             name = f"model.layers.{layer_of_rope // 2}.self_attn.{name}"
             layer_of_rope += 1
         named.append((name, kind, tensor.detach()))

@@ -12,7 +12,7 @@ import torch
 from ..machine import machine
 from ..progress import timed
 from ..report import GraphReport
-from ..sites import DEFAULT_SITES, SITE_KINDS
+from .. import sites as registry
 from .metrics import compare_logprobs
 from .report import STAND_IN, MismatchReport, Row
 from .stacks import Stack, has_vllm, require_vllm, score
@@ -56,13 +56,14 @@ def default_stacks(inference: str | None = None) -> tuple[Stack, Stack, str | No
 
 def configurations(ablation: bool) -> list[tuple[str, tuple | None, tuple | None]]:
     """(label, trainer sites, inference sites) per row; None is rla off. rla off, on one side,
-    on both (the default sites), on both with the logits site too; with `ablation` also each
+    on both (the default sites), on both with each opt-in site too; with `ablation` also each
     site alone on both sides."""
-    every = tuple(DEFAULT_SITES)
+    every = tuple(registry.DEFAULT_SITES)
     rows = [("rla off", None, None), ("rla on trainer only", every, None), ("rla on inference only", None, every),
-            ("rla on both", every, every), ("rla on both + logits", every + ("logits",), every + ("logits",))]
+            ("rla on both", every, every)]
+    rows += [(f"rla on both + {kind}", every + (kind,), every + (kind,)) for kind in registry.OPT_IN_SITES]
     if ablation:
-        rows += [(f"{kind} only, both sides", (kind,), (kind,)) for kind in SITE_KINDS]
+        rows += [(f"{kind} only, both sides", (kind,), (kind,)) for kind in registry.SITE_KINDS]
     return rows
 
 

@@ -11,20 +11,26 @@ from pathlib import Path
 import torch
 
 from ..machine import describe
+from .. import sites as registry
 from .metrics import Metrics
 from .stacks import Stack
 
-__all__ = ["MismatchReport", "Row", "change_interval", "LEGEND", "STAND_IN"]
+__all__ = ["MismatchReport", "Row", "change_interval", "legend", "STAND_IN"]
 
-LEGEND = (
-    "δ = log π_trainer − log μ_inference per sampled token. k3 KL = mean(e^δ−1−δ), k1 = mean(−δ), |Δlp| = |δ|, "
-    "|Δp| = |π−μ| at the token, RMS δ, E exp|δ| = mean e^|δ|, KL full = exact KL(μ‖π) over the vocabulary, "
-    "bitwise= = tokens with identical fp32 logprobs.\n"
-    "Stacks are engine-compiler[+rla[sites]][:dtype][:train]: hf-inductor:train = HF's training forward under "
-    "torch.compile (Inductor), hf-aot_eager = HF with eager kernels, vllm-inductor = vLLM's compiled path; +rla = "
-    "rla aligns the four default sites (rmsnorm, residual_rmsnorm, swiglu, rope); +rla[...] names them, logits "
-    "included (the LM head in fp32: vLLM's head_dtype=float32 on the inference side)."
-)
+def legend() -> str:
+    """The report's key: the metrics, and the stacks' names with the sites they align."""
+    opt_in = "; ".join(f"{site.kind}: {site.summary}" for site in registry.selected(registry.OPT_IN_SITES))
+    return (
+        "δ = log π_trainer − log μ_inference per sampled token. k3 KL = mean(e^δ−1−δ), k1 = mean(−δ), |Δlp| = |δ|, "
+        "|Δp| = |π−μ| at the token, RMS δ, E exp|δ| = mean e^|δ|, KL full = exact KL(μ‖π) over the vocabulary, "
+        "bitwise= = tokens with identical fp32 logprobs.\n"
+        "Stacks are engine-compiler[+rla[sites]][:dtype][:train]: hf-inductor:train = HF's training forward under "
+        "torch.compile (Inductor), hf-aot_eager = HF with eager kernels, vllm-inductor = vLLM's compiled path; +rla = "
+        f"rla aligns the default sites ({', '.join(registry.DEFAULT_SITES)}); +rla[...] names them, opt-in sites "
+        f"included ({opt_in})."
+    )
+
+
 BASELINE = "rla off"
 # the note `default_stacks` adds when HF stands in for vLLM (kept in the report's notes, so in its JSON)
 STAND_IN = "vLLM is not installed: the inference side is HF with eager kernels (aot_eager), not vLLM"
@@ -148,7 +154,7 @@ class MismatchReport:
         if self.machine:
             lines.append(f"machine: {describe(self.machine)} (the digits depend on its kernels)")
         lines += [f"note: {n}" for n in self.notes]
-        lines += ["", LEGEND]
+        lines += ["", legend()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

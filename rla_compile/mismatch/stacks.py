@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..sites import DEFAULT_SITES, check_site_names
+from .. import sites as registry
+from ..sites import check_site_names
 
 __all__ = ["Stack", "hf_runner", "hf_logits", "hf_logprobs", "vllm_logprobs", "score", "has_vllm", "require_vllm"]
 
@@ -63,7 +64,7 @@ class Stack:
     @property
     def label(self) -> str:
         """`engine-compiler[+rla[sites]][:dtype][:train]`, the form `parse` reads."""
-        rla = "" if self.sites is None else "+rla" if set(self.sites) == set(DEFAULT_SITES) else f"+rla[{','.join(self.sites)}]"
+        rla = "" if self.sites is None else "+rla" if set(self.sites) == set(registry.DEFAULT_SITES) else f"+rla[{','.join(self.sites)}]"
         dtype = "" if self.dtype == "bfloat16" else f":{self.dtype}"
         return f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}"
 
@@ -78,7 +79,7 @@ class Stack:
         if unknown or not compiler or (plus and not (rla == "rla" or (rla.startswith("rla[") and rla.endswith("]")))):
             raise ValueError(f"cannot read stack {text!r}: write engine-compiler[+rla[sites]][:dtype][:train], "
                              "e.g. hf-inductor+rla:train, hf-aot_eager, vllm-inductor+rla[rope,swiglu], hf-eager:float32")
-        sites = None if not plus else tuple(DEFAULT_SITES) if rla == "rla" else tuple(s for s in rla[4:-1].split(",") if s)
+        sites = None if not plus else tuple(registry.DEFAULT_SITES) if rla == "rla" else tuple(s for s in rla[4:-1].split(",") if s)
         dtype = next((f for f in flags if f in DTYPES), "bfloat16")
         return cls(engine, compiler, sites, train="train" in flags, dtype=dtype)
 
@@ -108,12 +109,12 @@ def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path 
 
 def hf_runner(stack: Stack, model):
     """The callable that runs `model` as `stack` says, and the rla backend (None when off)."""
-    from ..backend import backend
+    from ..backend import Backend
 
     model.train(stack.train)
     model.requires_grad_(stack.train)
     if stack.sites is not None:
-        rla = backend(inner=stack.compiler, sites=list(stack.sites))
+        rla = Backend(compiler=stack.compiler, sites=list(stack.sites))
         return torch.compile(model, backend=rla), rla
     if stack.compiler == "eager":
         return model, None

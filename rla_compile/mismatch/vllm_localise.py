@@ -61,7 +61,7 @@ def _hook(model, record: list) -> None:
     rotaries = []
     for i, layer in enumerate(decoder.layers):
         p, attn = f"model.layers.{i}", layer.self_attn
-        layer.input_layernorm.register_forward_hook(keep(f"{p}.input_layernorm", "rmsnorm"))
+        layer.input_layernorm.register_forward_hook(keep(f"{p}.input_layernorm", "norm"))
         attn.qkv_proj.register_forward_hook(keep(f"{p}.self_attn.q_proj (output)", "matmul",
                                                  lambda out, q=attn.q_size: out[0][..., :q]))
         attn.qkv_proj.register_forward_hook(keep(f"{p}.self_attn.v_proj (output)", "matmul",
@@ -69,16 +69,16 @@ def _hook(model, record: list) -> None:
         if not any(attn.rotary_emb is r for r in rotaries):  # one module may serve every layer: number its calls
             rotaries.append(attn.rotary_emb)
             attn.rotary_emb.register_forward_hook(
-                lambda module, args, out: record.extend([("rope (query)", "rope", heads(out[0], module.head_size)),
-                                                         ("rope (key)", "rope", heads(out[1], module.head_size))]))
+                lambda module, args, out: record.extend([("rope (query)", "rotary", heads(out[0], module.head_size)),
+                                                         ("rope (key)", "rotary", heads(out[1], module.head_size))]))
         attn.o_proj.register_forward_pre_hook(keep_input(f"{p}.self_attn.o_proj (input)", "attention"))
         attn.register_forward_hook(keep(f"{p}.self_attn", "matmul"))
-        layer.post_attention_layernorm.register_forward_hook(keep(f"{p}.post_attention_layernorm", "rmsnorm"))
-        layer.mlp.down_proj.register_forward_pre_hook(keep_input(f"{p}.mlp.down_proj (input)", "swiglu"))
+        layer.post_attention_layernorm.register_forward_hook(keep(f"{p}.post_attention_layernorm", "norm"))
+        layer.mlp.down_proj.register_forward_pre_hook(keep_input(f"{p}.mlp.down_proj (input)", "activation"))
         layer.mlp.register_forward_hook(keep(f"{p}.mlp", "matmul"))
-    decoder.norm.register_forward_hook(keep("model.norm", "rmsnorm"))
+    decoder.norm.register_forward_hook(keep("model.norm", "norm"))
     model.logits_processor.register_forward_hook(
-        lambda module, args, out: record.append(("logits", "logits", (args[1].clone(), out.clone()))))
+        lambda module, args, out: record.append(("lm_head", "head", (args[1].clone(), out.clone()))))
 
 
 def order(layers: int, names: set[str]) -> list[str]:
@@ -87,7 +87,7 @@ def order(layers: int, names: set[str]) -> list[str]:
                  "self_attn.rope (key)", "self_attn.o_proj (input)", "self_attn", "post_attention_layernorm",
                  "mlp.down_proj (input)", "mlp"]
     every = [f"model.layers.{i}.{p}" for i in range(layers) for p in per_layer]
-    return [n for n in every + ["model.norm", "logits", "logprobs"] if n in names]
+    return [n for n in every + ["model.norm", "lm_head", "logprobs"] if n in names]
 
 
 def regather(record: list, sequences: list[list[int]], logprobs: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
@@ -112,9 +112,9 @@ def regather(record: list, sequences: list[list[int]], logprobs: torch.Tensor) -
 
     points, rope_calls, final = {}, 0, None
     for name, kind, tensor in record[1:]:
-        if kind == "logits":
+        if kind == "head":
             continue
-        if kind == "rope":
+        if kind == "rotary":
             name = f"model.layers.{rope_calls // 2}.self_attn.{name}"
             rope_calls += 1
             tensor = layout(tensor).transpose(1, 2)  # HF's [B, heads, T, head_dim]
@@ -126,7 +126,7 @@ def regather(record: list, sequences: list[list[int]], logprobs: torch.Tensor) -
     logits = torch.empty(batch, length - 1, logprobs.shape[-1], dtype=final.dtype)
     found = [False] * batch
     for _, kind, value in record[1:]:
-        if kind == "logits":
+        if kind == "head":
             hidden, out = value
             for b in range(batch):
                 if not found[b] and hidden.shape[0] == length - 1 and torch.equal(hidden, final[b, :-1]):
@@ -134,7 +134,7 @@ def regather(record: list, sequences: list[list[int]], logprobs: torch.Tensor) -
                     break
     if not all(found):
         raise RuntimeError("could not match vLLM's prompt logits to every sequence")
-    points["logits"] = ("logits", logits)
+    points["lm_head"] = ("head", logits)
     points["logprobs"] = ("logprobs", logprobs)
     layers = 1 + max(int(n.split(".")[2]) for n in points if n.startswith("model.layers."))
     return [(n, *points[n]) for n in order(layers, set(points))]

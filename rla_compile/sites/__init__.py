@@ -6,37 +6,71 @@ before the one it extends (RMSNorm), so the same norm is one site, not two.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
-from .base import Match, Miss, SiteMatcher
-from .logits import LogitsMatcher
+from . import logits, residual_rmsnorm, rmsnorm, rope, swiglu
+from .base import Match, Miss, Site, SiteMatcher
 from .opaque import OpaqueNormMatcher
-from .residual_rmsnorm import ResidualRMSNormMatcher
-from .rmsnorm import RMSNormMatcher
-from .rope import RoPEMatcher
-from .swiglu import SwiGLUMatcher
 
-__all__ = ["DEFAULT_SITES", "MATCHERS", "OPT_IN_SITES", "SITE_KINDS", "Match", "Miss", "SiteMatcher", "check_site_names"]
+__all__ = ["DEFAULT_SITES", "MATCHERS", "OPT_IN_SITES", "SITES", "SITE_KINDS", "Match", "Miss", "Site", "SiteMatcher",
+           "by_kind", "registered", "selected", "check_site_names"]
 
-MATCHERS: tuple[SiteMatcher, ...] = (
-    ResidualRMSNormMatcher(),
-    RMSNormMatcher(),
-    SwiGLUMatcher(),
-    RoPEMatcher(),
-    LogitsMatcher(),
-    OpaqueNormMatcher(),  # finds no site: reports norms hidden in one op as near misses
+# The one list of site kinds: adding a site is one line here (and its module).
+SITES: tuple[Site, ...] = (
+    residual_rmsnorm.SITE,
+    rmsnorm.SITE,
+    swiglu.SITE,
+    rope.SITE,
+    logits.SITE,
 )
 
-# Every kind the registry finds, once, in the order options, errors and reports list them: the
-# registry's, except that the plain norm comes first (the residual norm's matcher runs before
-# it only so that the larger region wins).
-SITE_KINDS: tuple[str, ...] = tuple(sorted(dict.fromkeys(m.kind for m in MATCHERS if m.kind), key=lambda kind: kind != "rmsnorm"))
-# Sites aligned only when asked for. The logits site changes the dtype of the logits the model
-# returns (fp32) and only helps with the inference engine's head in fp32 too
-# (docs/contract.md#logits).
-OPT_IN_SITES: tuple[str, ...] = ("logits",)
-# What `sites` means when not given.
-DEFAULT_SITES: tuple[str, ...] = tuple(kind for kind in SITE_KINDS if kind not in OPT_IN_SITES)
+MATCHERS: tuple[SiteMatcher, ...]
+SITE_KINDS: tuple[str, ...]  # every kind, in the order options, errors and reports list them
+OPT_IN_SITES: tuple[str, ...]  # aligned only when asked for (each says why: `Site.opt_in`)
+DEFAULT_SITES: tuple[str, ...]  # what `sites` means when not given
+
+
+def _derive() -> None:
+    """The names above, from `SITES`. The plain norm comes first in SITE_KINDS: the residual
+    norm's matcher runs before it only so that the larger region wins."""
+    global MATCHERS, SITE_KINDS, OPT_IN_SITES, DEFAULT_SITES
+    MATCHERS = (*(site.matcher for site in SITES), OpaqueNormMatcher(SITES))  # the last finds no site: near misses
+    SITE_KINDS = tuple(sorted((s.kind for s in SITES), key=lambda kind: kind != rmsnorm.SITE.kind))
+    OPT_IN_SITES = tuple(s.kind for s in SITES if s.opt_in)
+    DEFAULT_SITES = tuple(kind for kind in SITE_KINDS if kind not in OPT_IN_SITES)
+
+
+_derive()
+
+
+@contextlib.contextmanager
+def registered(*sites: Site) -> Iterator[None]:
+    """Add site kinds to the registry for the duration (after the built-in ones): a site of your
+    own, tried without editing this package; everything that iterates the registry (options,
+    the engine, reports, the mismatch tool, the integrations) sees it."""
+    global SITES
+    clash = sorted({s.kind for s in sites} & {s.kind for s in SITES})
+    if clash:
+        raise ValueError(f"site kind(s) {', '.join(map(repr, clash))} already registered")
+    before = SITES
+    SITES = (*SITES, *sites)
+    _derive()
+    try:
+        yield
+    finally:
+        SITES = before
+        _derive()
+
+
+def by_kind(kind: str) -> Site:
+    return next(s for s in SITES if s.kind == kind)
+
+
+def selected(kinds: Iterable[str]) -> list[Site]:
+    """The declarations of the `kinds` selected, in registry order."""
+    kinds = set(kinds)
+    return [s for s in SITES if s.kind in kinds]
 
 
 def check_site_names(sites: object, where: str, error: type[Exception] = ValueError) -> frozenset[str]:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from torch.fx import Graph, Node
 
@@ -19,9 +19,9 @@ class Match:
     `roles` names the interesting inputs (`x`, `weight`, `gate`, `up`, `cos`, ...).
     `rounds_outputs=False`: the outputs leave in fp32, not rounded (the logits site).
     `recompute`: input roles whose fp32 upcast the backward recomputes from the low-precision
-    value instead of saving the fp32 copy (the head's h and W); see `engine.mark_recompute`.
+    value instead of saving the fp32 copy (the head's h and W); see `rewriter.mark_recompute`.
     `save`: roles whose output rounding the backward reads saved instead of recomputing it (the
-    residual stream); see `engine.mark_save`.
+    residual stream); see `rewriter.mark_save`.
     `note`: what the report adds to the site's status, whatever it is.
     """
 
@@ -53,3 +53,32 @@ class SiteMatcher(Protocol):
 
     def match(self, anchor: Node) -> Match | Miss | None:
         """A Match, a Miss saying why not, or None when the anchor is not this site's business."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """A site kind, declared in its own module: its matcher, and everything the rest of the
+    system needs to know about it. The registry (`sites/__init__.py`) lists these; the engine,
+    backends, integrations, mismatch tool and benchmarks iterate it and never name a kind.
+
+    `opt_in`: why the site is aligned only when asked for ("" for a default site).
+    `summary`: what aligning it changes, in a few words (legends, help texts).
+    `opaque_ops`: ops that compute the whole site in one node, out of the matcher's reach
+    (`opaque.OpaqueNormMatcher` reports them as near misses; the backend decomposes the ATen
+    ones before matching). `kernel_boundaries`: ops of the site that Inductor runs as kernels
+    of their own (lowering.py). `engine_overrides` / `engine_env`: the `hf_overrides` and the
+    environment a vLLM engine needs for its half of the site; `engine_hooks` / `trainer_hooks`:
+    hooks, by name, that the vLLM / TRL integrations run when the site is selected (each
+    integration maps every name to its implementation; a test checks that none is missing).
+    """
+
+    kind: str
+    matcher: SiteMatcher
+    summary: str
+    opt_in: str = ""
+    opaque_ops: tuple[str, ...] = ()
+    kernel_boundaries: tuple[str, ...] = ()
+    engine_overrides: Mapping[str, Any] = field(default_factory=dict)
+    engine_env: Mapping[str, str] = field(default_factory=dict)
+    engine_hooks: tuple[str, ...] = ()
+    trainer_hooks: tuple[str, ...] = ()

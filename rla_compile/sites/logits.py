@@ -23,9 +23,9 @@ import torch
 from torch.fx import Graph, Node
 
 from .. import ops
-from .base import Match, Miss
+from .base import Match, Miss, Site
 
-__all__ = ["LogitsMatcher", "HEAD_NAMES"]
+__all__ = ["SITE", "LogitsMatcher", "HEAD_NAMES"]
 
 HEAD_NAMES = ("lm_head", "output", "embed_out", "head", "output_layer")
 # elementwise ops the head's output may go through before it leaves (soft-capping: /cap, tanh, *cap)
@@ -140,3 +140,14 @@ class LogitsMatcher:
         return Match(self.kind, anchor, frozenset({anchor} | region), variant,
                      {"hidden": anchor.args[0], "weight": anchor.args[1]}, rounds_outputs=False,
                      recompute=("hidden", "weight"))  # the backward saves bf16 h and W, not their fp32 copies
+
+
+SITE = Site(
+    kind=LogitsMatcher.kind,
+    matcher=LogitsMatcher(),
+    summary="the LM head in fp32 and the logits left in fp32 (vLLM: head_dtype=float32)",
+    opt_in="it changes the dtype of the logits the model returns (fp32) and only helps with the inference "
+           "engine's head in fp32 too (docs/contract.md#logits)",
+    engine_overrides={"head_dtype": "float32"},  # vLLM computes the logits outside its compiled graph
+    trainer_hooks=("fp32_logprob_head",),  # TRL scores completions with its own chunked head
+)

@@ -15,16 +15,9 @@ from collections.abc import Iterable
 from torch.fx import Graph, Node
 
 from .. import ops
-from .base import Miss
+from .base import Miss, Site
 
-__all__ = ["OpaqueNormMatcher", "OPAQUE_NORMS"]
-
-# op name -> the site it hides
-OPAQUE_NORMS = {
-    "rms_norm": "rmsnorm",
-    "_fused_rms_norm": "rmsnorm",
-    "fused_add_rms_norm": "residual_rmsnorm",
-}
+__all__ = ["OpaqueNormMatcher"]
 
 # what to do, by op namespace
 _HOW = {
@@ -46,11 +39,14 @@ class OpaqueNormMatcher:
 
     kind = None  # finds no site of its own: its near misses name the site each op hides
 
+    def __init__(self, sites: Iterable[Site]):
+        self.hides = {op: site.kind for site in sites for op in site.opaque_ops}  # op name -> the site it hides
+
     def candidates(self, graph: Graph) -> Iterable[Node]:
-        return ops.call_nodes(graph, *OPAQUE_NORMS)
+        return ops.call_nodes(graph, *self.hides)
 
     def match(self, anchor: Node) -> Miss:
         op = str(anchor.target)  # vllm_ir.rms_norm.default
         how = _HOW.get(op.split(".")[0], "decompose it before the pass")
         reason = f"{ops.describe(anchor)}: opaque {op} computes the whole norm in one op, out of reach: {how}"
-        return Miss(OPAQUE_NORMS[ops.op_name(anchor)], anchor, reason)
+        return Miss(self.hides[ops.op_name(anchor)], anchor, reason)

@@ -5,7 +5,7 @@ rounding. HF rounds s to bf16 first and normalises the rounded sum; vLLM's nativ
 add+norm normalises the fp32 sum. Matching is RMSNorm's plus one step up: the normalised value
 is a low-precision add of two same-shape tensors.
 
-In training, the stream's rounding is saved for the backward (`Match.save`, `engine.mark_save`).
+In training, the stream's rounding is saved for the backward (`Match.save`, `rewriter.mark_save`).
 Left to itself, AOTAutograd's partitioner saved the block outputs and recomputed the stream in
 the backward: a chain of roundings and upcasts that Inductor fuses into one kernel, whose
 upcasts then had to run on ATen (benchmarks/residual_save.py: small Llama training 1.08x plain
@@ -22,10 +22,10 @@ from collections.abc import Iterable
 from torch.fx import Graph, Node
 
 from .. import ops
-from .base import Match, Miss
+from .base import Match, Miss, Site
 from .rmsnorm import RMSNormMatcher, find_rmsnorm
 
-__all__ = ["ResidualRMSNormMatcher"]
+__all__ = ["SITE", "ResidualRMSNormMatcher"]
 
 
 def _is_residual_add(node: Node) -> bool:
@@ -73,4 +73,12 @@ class ResidualRMSNormMatcher:
         if norm.weight is not None:
             roles["weight"] = norm.weight
         return Match(self.kind, anchor, frozenset(norm.nodes | {add}), norm.variant, roles,
-                     save=("x",))  # the backward reads the stream saved (engine.mark_save)
+                     save=("x",))  # the backward reads the stream saved (rewriter.mark_save)
+
+
+SITE = Site(
+    kind=ResidualRMSNormMatcher.kind,
+    matcher=ResidualRMSNormMatcher(),
+    summary="the residual add and the norm after it in fp32: the stream and the norm output each rounded once",
+    opaque_ops=("fused_add_rms_norm",),
+)

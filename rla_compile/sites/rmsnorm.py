@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from torch.fx import Graph, Node
 
 from .. import ops
-from .base import Match, Miss
+from .base import Match, Miss, Site
 
-__all__ = ["RMSNormMatcher", "RMSNorm", "find_rmsnorm"]
+__all__ = ["SITE", "RMSNormMatcher", "RMSNorm", "find_rmsnorm"]
 
 
 @dataclass
@@ -234,3 +234,11 @@ class RMSNormMatcher:
             return Miss(self.kind, anchor, norm)
         roles = {"x": norm.x} | ({"weight": norm.weight} if norm.weight is not None else {})
         return Match(self.kind, anchor, frozenset(norm.nodes), norm.variant, roles)
+
+
+SITE = Site(
+    kind=RMSNormMatcher.kind,
+    matcher=RMSNormMatcher(),
+    summary="RMSNorm computed in fp32, its output rounded once",
+    opaque_ops=("rms_norm", "_fused_rms_norm"),
+)

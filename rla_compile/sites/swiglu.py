@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from torch.fx import Graph, Node
 
 from .. import ops
-from .base import Match, Miss
+from .base import Match, Miss, Site
 
-__all__ = ["SwiGLUMatcher"]
+__all__ = ["SITE", "SwiGLUMatcher"]
 
 
 def _activation(anchor: Node) -> tuple[Node, Node, set[Node], str] | str | None:
@@ -124,3 +124,10 @@ class SwiGLUMatcher:
         if act_name != "silu":
             variant += f" ({act_name})"
         return Match(self.kind, anchor, frozenset(nodes), variant, {"gate": g, "up": u})
+
+
+SITE = Site(
+    kind=SwiGLUMatcher.kind,
+    matcher=SwiGLUMatcher(),
+    summary="the gated activation (SwiGLU, GeGLU) in fp32, rounded once",
+)

@@ -19,7 +19,7 @@ def block(x, w, g, u):
 
 torch.manual_seed(0)
 args = (torch.randn(2, 8, 64).bfloat16(), torch.randn(64).bfloat16(), torch.randn(2, 8, 64).bfloat16(), torch.randn(2, 8, 64).bfloat16())
-backend = rla_compile.backend(**options)
+backend = rla_compile.Backend(**options)
 with torch.no_grad():
     out = torch.compile(block, backend=backend, fullgraph=True)(*args)
 print(json.dumps({

@@ -143,10 +143,10 @@ def _scenario(name: str, mesh) -> dict:
 
     torch._dynamo.reset()
     model = tiny_causal_lm("llama")
-    backend = rla_compile.backend(inner="aot_eager")
+    backend = rla_compile.Backend(compiler="aot_eager")
     if name == "tp_sp_inductor":  # not in the default suite: 50-100 s of Inductor compiles
         torch._inductor.config.fx_graph_cache = False
-        backend = rla_compile.backend(pin_rounding=True)
+        backend = rla_compile.Backend(pin_rounding=True)
     elif name == "tp_sp_as_written":  # without rla: checks the reference's model of TP's arithmetic
         backend = "aot_eager"
     if name == "fsdp_per_layer":

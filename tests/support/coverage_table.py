@@ -67,7 +67,7 @@ def collect(entry: Entry) -> Coverage:
     reports = {}
     for mode in ("train", "infer"):
         torch._dynamo.reset()
-        backend = rla_compile.backend(inner="aot_eager", sites=list(SITE_KINDS))  # the opt-in logits site too
+        backend = rla_compile.Backend(compiler="aot_eager", sites=list(SITE_KINDS))  # the opt-in logits site too
         compiled = torch.compile(model, backend=backend)
         if mode == "train":
             _loss(compiled, ids).backward()

@@ -1,7 +1,7 @@
 """Invariance beyond the families in the suite: every causal-LM family transformers builds from
 a config, compiled once and run on several seeded inputs, two ways with rla and two without.
 
-- rla: `pin_rounding=True` under Inductor (`emulate_precision_casts`) vs `inner="aot_eager"`
+- rla: `pin_rounding=True` under Inductor (`emulate_precision_casts`) vs `compiler="aot_eager"`
   (rla's graph on eager kernels). The contract's promise: equal logits on every input.
 - plain: `backend="inductor"` with `emulate_precision_casts` vs `backend="aot_eager"`. Not a
   promise; it says whether a break is rla's (plain breaks too: Inductor's own math outside
@@ -148,8 +148,8 @@ def compare(model, seeds: int = SEEDS, kwargs: dict | None = None) -> dict:
                            _logits(model, "aot_eager", batches, kwargs, emulate=False))
     except Exception as error:  # noqa: BLE001
         raise Incomparable(f"plain Inductor cannot compile it ({_first_line(error)})") from error
-    pinned = rla_compile.backend(inner="inductor", pin_rounding=True)
-    eager_kernels = rla_compile.backend(inner="aot_eager")
+    pinned = rla_compile.Backend(compiler="inductor", pin_rounding=True)
+    eager_kernels = rla_compile.Backend(compiler="aot_eager")
     rla = _differing(_logits(model, pinned, batches, kwargs, emulate=True),
                      _logits(model, eager_kernels, batches, kwargs, emulate=False))
     torch._dynamo.reset()

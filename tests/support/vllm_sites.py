@@ -10,7 +10,7 @@ compiled as it is in that stack:
 
 - HF: the model's own modules/functions (`Qwen3RMSNorm`, the decoder layer's `residual + h`
   then the norm, `act_fn(gate) * up`, `apply_rotary_pos_emb` after the rotary module's
-  rounding) under `torch.compile(backend=rla_compile.backend())` (or plain Inductor when off);
+  rounding) under `torch.compile(backend=rla_compile.Backend())` (or plain Inductor when off);
 - vLLM: its layers (`RMSNorm` with and without the fused residual add, `SiluAndMul` on the
   concatenated gate/up as its merged projection gives it, `RotaryEmbedding.forward_native`
   with the captured table) under Inductor with `compilation_config()`'s inductor config (rla's
@@ -74,7 +74,7 @@ def hf_sites(model, x: dict, aligned: bool, pin: bool = False) -> dict[str, tupl
         "swiglu": (lambda g, u: (layer.mlp.act_fn(g) * u,), (x["gate"], x["up"])),
         "rope": (rope, (x["q"], x["k"], x["cos"], x["sin"])),
     }
-    backend = rla_compile.backend(pin_rounding=pin) if aligned else "inductor"
+    backend = rla_compile.Backend(pin_rounding=pin) if aligned else "inductor"
     options = {"emulate_precision_casts": True} if pin and not aligned else {}
     return {kind: _compiled(fn, backend, options)(*args)
             for kind, (fn, args) in sites.items()}

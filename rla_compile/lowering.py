@@ -1,0 +1,220 @@
+"""How Inductor lowers an aligned graph: the policy both compiled paths (the torch.compile
+backend, vLLM's post-grad pass) apply after the rewrite so that Inductor computes the contract.
+
+- every site rounding carries Inductor's rounding barrier (fusion would otherwise drop it);
+- unpinned, upcasts of a rounded site output run on ATen, or the rounding is stored before
+  the kernel boundary that its reader waits for (`_kernel_apart`);
+- pinned (`pin_rounding`, Inductor's `emulate_precision_casts`), the fp32 math a rounding reads
+  runs on ATen's kernels (`pin_eager_math`), LayerNorm and softmax included (eager_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph
+
+from . import eager_kernels, ops
+from .config import Options
+from .ops import is_site_rounding
+
+__all__ = ["KeepSiteRounding", "keep_site_roundings", "upcast_on_aten", "eager_math_nodes", "pin_eager_math"]
+
+
+class KeepSiteRounding(CustomGraphPass):
+    """Post-grad pass: keep every site's output rounding through Inductor's fusion and, with
+    `pin_rounding`, round the same fp32 value as eager kernels do.
+
+    With `emulate_precision_casts=False` Inductor computes fused pointwise chains in fp32 and
+    drops in-kernel casts, including a site's output rounding when its consumer fuses into
+    the same kernel. The per-node barrier makes the lowering round at exactly these nodes.
+
+    With `pin_rounding`, the fp32 reductions and transcendentals that a rounding reads (a
+    site's or, in a graph with a site, the model's own), and LayerNorm and softmax, also run
+    on ATen's kernels, as under `compiler="aot_eager"` (`pin_eager_math`): each rounding then
+    rounds the same fp32 value whatever the compiler.
+    """
+
+    def __init__(self, options: Options):
+        self._uuid = options.uuid()  # covers pin_rounding; Inductor's own key covers emulate_precision_casts
+
+    def __call__(self, graph: Graph) -> None:
+        keep_site_roundings(graph)
+
+    def uuid(self) -> str:
+        return self._uuid
+
+
+def keep_site_roundings(graph: Graph) -> None:
+    """What both compiled paths (this backend, vLLM's pass) do to a post-grad graph so that
+    Inductor computes the contract: every site rounding carries the rounding barrier; unpinned,
+    upcasts of a rounded site output run on ATen (`_upcasts_of`, `upcast_on_aten`); pinned,
+    the fp32 math a rounding reads runs on ATen (`pin_eager_math`)."""
+    from torch._inductor import config as inductor_config
+
+    pinned = inductor_config.emulate_precision_casts  # pin_rounding, or the user's own setting
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if node.op == "call_function" and is_site_rounding(node):  # not a saved rounding read by the backward
+            node.meta["low_precision_pointwise_barrier"] = True
+            if not pinned:
+                for upcast in _upcasts_of(node):
+                    if _kernel_apart(node, upcast, position):
+                        node.meta["inductor_realize_to_strides"] = True  # stored once, in bf16
+                    else:
+                        upcast_on_aten(graph, upcast)
+    if pinned:
+        pin_eager_math(graph)
+
+
+def upcast_on_aten(graph: Graph, upcast) -> None:
+    """Run `upcast` as an ATen call (per-node fallback): a kernel of its own, which reads the
+    stored low-precision values and writes an fp32 copy for the reader. (An ATen bf16 copy of
+    the rounded value, upcast in the reader's kernel, moves fewer bytes but measured no faster
+    at Qwen3-0.6B's width, within the benchmark's resolution: benchmarks/upcasts_before_after.py.)"""
+    upcast.meta["should_fallback"] = True
+
+
+def _upcasts_of(rounding) -> list:
+    """The widening casts that read a site's rounded output, through views: where one site's
+    output enters the next (RMSNorm -> RoPE). Unpinned, Inductor's CPU code generator caches
+    the fp32 value a low-precision store came from and hands it to a load + upcast of that
+    buffer in the same kernel, skipping the rounding (torch/_inductor/codegen/cpp.py,
+    `to_dtype`'s "cse cache trick", off only under emulate_precision_casts). Running these
+    upcasts as ATen calls makes them read the stored bf16 values."""
+    found, stack = [], list(rounding.users)
+    while stack:
+        user = stack.pop()
+        if ops.moves_data(user):
+            stack.extend(user.users)
+        elif ops.widens(user):
+            found.append(user)
+    return found
+
+
+# Ops Inductor runs as kernels of their own (extern GEMMs and attention on CPU; on CUDA a GEMM
+# template may fuse an epilogue, never a prologue holding another kernel's store).
+_KERNEL_BOUNDARIES = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm", "convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+})
+
+
+def _kernel_apart(rounding, upcast, position: dict) -> bool:
+    """Whether `upcast` of a site's rounded output can stay in Inductor's generated code
+    instead of running on ATen (which writes an fp32 copy of the tensor: the residual stream
+    entering the next residual site, once per layer), provided the rounding is stored.
+
+    True when the upcast's one reader (the upcast is then inlined into the reader's kernel)
+    also depends on a kernel boundary (a GEMM, attention) that depends on the value the
+    rounding rounds: the reader's kernel runs after that boundary. The caller then makes
+    Inductor store the rounding (`inductor_realize_to_strides`, read in `GraphLowering.run_node`)
+    in the kernel that computes it, before the boundary: the reader's kernel loads the bf16
+    values, which the cache trick cannot bypass (it only serves a store in the same kernel).
+    Left unstored, Inductor would inline the rounding into the reader's kernel and the trick
+    would drop it. The residual stream: the next residual add also reads the block output, a
+    GEMM of the normalised stream. Walks only the nodes between the two: linear in depth."""
+    if len(upcast.users) != 1:
+        return False
+    (reader,) = upcast.users
+    source, end = rounding.args[0], position[reader]
+    downstream, stack = set(), [source]
+    while stack:  # what depends on the rounded value, up to the reader
+        for user in stack.pop().users:
+            if user not in downstream and position.get(user, end) < end:
+                downstream.add(user)
+                stack.append(user)
+    boundaries = {n for n in downstream if ops.op_name(n) in _KERNEL_BOUNDARIES}
+    if not boundaries:
+        return False
+    seen, stack = set(), [n for n in reader.all_input_nodes if n is not upcast]
+    while stack:  # what the reader depends on, back to the rounded value
+        node = stack.pop()
+        if node in boundaries:
+            return True
+        if node in seen or position.get(node, -1) <= position[source]:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False
+
+
+# Pointwise ops whose fp32 result IEEE arithmetic fixes (exact, or one correctly rounded
+# operation), so Inductor's generated code and ATen's kernels agree bit for bit (rsqrt is
+# 1/sqrt in both on CPU). Checked on CPU; on CUDA, Triton's division is approximate unless
+# Inductor's `eager_numerics.division_rounding` is set.
+_EXACT_POINTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "abs", "reciprocal", "sqrt", "rsqrt", "where", "clamp",
+    "clamp_min", "clamp_max", "maximum", "minimum", "sign", "floor", "ceil", "round", "trunc",
+    "copy", "clone", "_to_copy", "convert_element_type", "fill", "full_like", "scalar_tensor",
+})
+# Reductions whose result does not depend on the order in which elements are combined.
+_ORDER_FREE_REDUCTIONS = frozenset({"amax", "amin", "max", "min", "argmax", "argmin", "any", "all"})
+
+
+def eager_math_nodes(graph: Graph) -> list:
+    """The fp32 nodes a rounding reads whose value Inductor computes differently from ATen, in
+    a graph rla aligned (one with a site rounding; none otherwise: it compiles as Inductor would).
+
+    Inductor generates its own code for reductions (its vectorised accumulation order is not
+    ATen's: RMSNorm's mean(x^2)) and for transcendentals (its vectorised cos/sin are not
+    ATen's: RoPE's tables, which the cast bypass hands the sites in fp32). A 1-ulp fp32
+    difference there moves a site's one rounding across a boundary on some inputs; running
+    the ATen op instead makes the value eager's. Basic arithmetic agrees already.
+
+    Walked back from every rounding of an fp32 value to low precision, the sites' and the
+    model's own (issue #23's sweep: the gated RMSNorms of Mamba-2 mixers and linear attention,
+    NemotronH and OLMo-hybrid, which no site claims, flipped their rounding on 5 and 1 of 8
+    inputs through Inductor's mean), through values wider than it (fp32); low-precision and
+    integer values end the walk (rounded, or exact). Only nodes that are an eager op themselves
+    are returned, never pieces of an op Inductor decomposed (silu -> exp): running a piece on
+    ATen would not reproduce the eager kernel (LayerNorm and softmax: `eager_kernels.reassemble`).
+    """
+    found: set = set()
+    if not any(is_site_rounding(n) for n in graph.nodes):
+        return []
+    stack = [n for n in graph.nodes if ops.is_cast(n) and ops.is_low_precision(n) and _wide_float(n.args[0])]
+    seen = set(stack)
+    while stack:
+        for value in stack.pop().all_input_nodes:
+            if value in seen or value.op != "call_function" or not _wide_float(value):
+                continue
+            seen.add(value)
+            stack.append(value)
+            if _differs_from_eager(value):
+                found.add(value)
+    return [n for n in graph.nodes if n in found]
+
+
+def pin_eager_math(graph: Graph) -> None:
+    """Make Inductor run `eager_math_nodes(graph)` as calls to their ATen ops (per-node
+    fallback), so each rounding reads eager's fp32 value; and, in a graph rla aligned, run the
+    LayerNorms and softmaxes whose result is rounded to low precision as their ATen kernels
+    (`eager_kernels.reassemble`).
+
+    Why the second: eager_kernels.py."""
+    if any(is_site_rounding(n) for n in graph.nodes):  # a graph with no site compiles as Inductor would
+        for replaced in eager_kernels.reassemble(graph):
+            replaced.meta["should_fallback"] = True
+    for node in eager_math_nodes(graph):
+        node.meta["should_fallback"] = True
+
+
+def _wide_float(node) -> bool:
+    """fp32/fp64 tensors (or tuples of them: var_mean): the values a site's fp32 math reads."""
+    val = node.meta.get("val")
+    tensors = [v for v in (val if isinstance(val, (list, tuple)) else (val,)) if isinstance(v, torch.Tensor)]
+    return bool(tensors) and all(t.dtype.is_floating_point and t.dtype not in ops.LOW_PRECISION for t in tensors)
+
+
+def _differs_from_eager(node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or str(node.meta.get("original_aten")) != str(target):
+        return False  # not an eager op itself (compared by name: the meta may hold a copy)
+    name = ops.op_name(node)
+    if torch.Tag.reduction in target.tags:
+        return name not in _ORDER_FREE_REDUCTIONS
+    if name == "pow":  # x ** 2 is x * x in both; other exponents go through pow's own code
+        return ops.constant(node.args[1] if len(node.args) > 1 else None) not in (1.0, 2.0)
+    return torch.Tag.pointwise in target.tags and name not in _EXACT_POINTWISE

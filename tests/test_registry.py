@@ -1,0 +1,78 @@
+"""The registry is the one place a site kind is listed: a site declared in a module of its own
+and registered (`sites.registered`) is seen by the options, the engine, the reports, the
+mismatch tool's rows and legend, and the integrations' settings, with no other file changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx import Node
+
+import rla_compile
+from rla_compile import sites
+from rla_compile.config import OptionError, Options
+from rla_compile.mismatch import measurement, report
+from rla_compile.sites import Match, Site
+
+
+class TanhMatcher:
+    """A toy site: a low-precision tanh, computed in fp32 and rounded once."""
+
+    kind = "toy_tanh"
+
+    def candidates(self, graph):
+        return [n for n in graph.nodes if n.op == "call_function" and "tanh" in str(n.target)]
+
+    def match(self, anchor: Node):
+        return Match(self.kind, anchor, frozenset({anchor}), "tanh", {"x": anchor.args[0]})
+
+
+TOY = Site(kind="toy_tanh", matcher=TanhMatcher(), summary="tanh in fp32", opt_in="a toy",
+           engine_overrides={"toy_dtype": "float32"}, engine_env={"TOY_SPLIT": "0"})
+
+
+def _block(x):
+    return torch.tanh(x * 3) * 2
+
+
+def test_a_registered_site_is_aligned_reported_and_measured():
+    with sites.registered(TOY):
+        assert sites.SITE_KINDS[-1] == "toy_tanh" and "toy_tanh" in sites.OPT_IN_SITES
+        assert "toy_tanh" not in Options().sites  # opt-in: not a default
+        backend = rla_compile.Backend(sites=[*sites.DEFAULT_SITES, "toy_tanh"], compiler="aot_eager")
+        x = torch.randn(64, 33, dtype=torch.bfloat16)
+        torch._dynamo.reset()
+        got = torch.compile(_block, backend=backend)(x)
+        (site,) = backend.reports[0].sites
+        assert (site.kind, site.status) == ("toy_tanh", "rewritten")
+        want = torch.tanh((x * 3).float()).to(torch.bfloat16) * 2  # the contract: fp32 inside, rounded once
+        assert torch.equal(got, want)
+        rows = [label for label, *_ in measurement.configurations(ablation=True)]
+        assert "rla on both + toy_tanh" in rows and "toy_tanh only, both sides" in rows
+        assert "toy_tanh: tanh in fp32" in report.legend()
+    assert "toy_tanh" not in sites.SITE_KINDS
+    with pytest.raises(OptionError, match="unknown site"):
+        Options(sites=["toy_tanh"])
+
+
+def test_a_kind_registers_once():
+    with pytest.raises(ValueError, match="'rope' already registered"):
+        with sites.registered(Site(kind="rope", matcher=TanhMatcher(), summary="")):
+            pass
+
+
+def test_only_the_registry_names_the_sites():
+    """No code outside `sites/` holds a site kind as a string (`"rope" in opts.sites`): each
+    iterates the registry. (Usage examples in docstrings and messages may name one.)"""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(rla_compile.__file__).parent
+    spelled = []
+    for path in sorted(root.rglob("*.py")):
+        if "sites" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in sites.SITE_KINDS:
+                spelled.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    assert spelled == []
