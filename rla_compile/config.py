@@ -96,6 +96,16 @@ class Options:
             )
         return cls(**options)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The options that differ from `Options()`, as `from_dict` takes them back (sites as a
+        sorted list): what another process needs to rebuild these options."""
+        defaults = Options()
+        changed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != getattr(defaults, f.name)}
+        if "sites" in changed:
+            changed["sites"] = sorted(changed["sites"])
+        return changed
+
     @property
     def debug_dir(self) -> Path | None:
         if self.debug is False or self.debug in ("", "0"):

