@@ -55,6 +55,32 @@ def test_a_registered_site_is_aligned_reported_and_measured():
         Options(sites=["toy_tanh"])
 
 
+def test_a_registered_sites_engine_settings_reach_vllm(monkeypatch):
+    """The vLLM integration applies a site's declared engine settings: its `hf_overrides` (the
+    user's own values win) and its environment, for engines started from this process."""
+    from rla_compile.integrations import vllm as rla_vllm
+
+    monkeypatch.delenv("TOY_SPLIT", raising=False)
+    with sites.registered(TOY):
+        opts = Options(sites=frozenset({"toy_tanh"}))
+        assert rla_vllm._engine_overrides(opts, None) == {"toy_dtype": "float32"}
+        assert rla_vllm._engine_overrides(opts, {"toy_dtype": "bfloat16"}) is None  # the user's value wins
+        assert rla_vllm._engine_overrides(opts, {"x": 1}) == {"x": 1, "toy_dtype": "float32"}
+        assert rla_vllm._engine_overrides(Options(), None) is None  # not selected: nothing
+        rla_vllm._prepare_process(opts)
+        assert __import__("os").environ["TOY_SPLIT"] == "0"
+
+
+def test_every_declared_hook_is_implemented():
+    """A site names the hooks it needs; each integration has every one of them."""
+    from rla_compile.integrations import trl as rla_trl
+    from rla_compile.integrations import vllm as rla_vllm
+
+    for site in sites.SITES:
+        assert set(site.engine_hooks) <= set(rla_vllm.ENGINE_HOOKS), site.kind
+        assert set(site.trainer_hooks) <= set(rla_trl.TRAINER_HOOKS), site.kind
+
+
 def test_a_kind_registers_once():
     with pytest.raises(ValueError, match="'rope' already registered"):
         with sites.registered(Site(kind="rope", matcher=TanhMatcher(), summary="")):

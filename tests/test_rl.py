@@ -82,10 +82,10 @@ def test_env_settings_merge_into_the_engines_config():
 
 def test_logits_site_sets_vllms_head_dtype_unless_the_user_did():
     logits = Options(sites=frozenset({"rope", "logits"}))
-    assert rla_vllm._head_overrides(Options(), None) is None  # not selected: nothing to change
-    assert rla_vllm._head_overrides(logits, None) == {"head_dtype": "float32"}
-    assert rla_vllm._head_overrides(logits, {"rope_theta": 1e4}) == {"rope_theta": 1e4, "head_dtype": "float32"}
-    assert rla_vllm._head_overrides(logits, {"head_dtype": "model"}) is None  # the user's choice wins
+    assert rla_vllm._engine_overrides(Options(), None) is None  # not selected: nothing to change
+    assert rla_vllm._engine_overrides(logits, None) == {"head_dtype": "float32"}
+    assert rla_vllm._engine_overrides(logits, {"rope_theta": 1e4}) == {"rope_theta": 1e4, "head_dtype": "float32"}
+    assert rla_vllm._engine_overrides(logits, {"head_dtype": "model"}) is None  # the user's choice wins
 
 
 @pytest.mark.rl

@@ -41,6 +41,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import sites as registry
 from ..backend import Backend
 from ..config import Options
 from . import patching
@@ -236,12 +237,14 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
             status.on.append("TRL's trainers (they derive from transformers.Trainer)")
         else:
             status.off["TRL's trainers"] = f"TRL is not installed: {INSTALL_TRL}"
-        if "logits" in opts.sites:
-            if align_logprob_head():
-                status.on.append("TRL's logprob head in fp32 (the logits site)")
-            else:
-                why = "TRL has no _ChunkedLogProbFunction" if trl else "TRL is not installed"
-                status.off["TRL's logprob head in fp32 (the logits site)"] = why
+        for site in registry.selected(opts.sites):
+            for hook in site.trainer_hooks:
+                apply, what = TRAINER_HOOKS[hook]
+                if apply():
+                    status.on.append(f"{what} (the {site.kind} site)")
+                else:
+                    why = "TRL has no such function" if trl else "TRL is not installed"
+                    status.off[f"{what} (the {site.kind} site)"] = why
     if vllm:
         from . import vllm as rla_vllm
 
@@ -260,6 +263,10 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
                 status.on.append("TRL's weight sync on vLLM-CPU (fix_weight_sync)")
     (log.warning if status.off else log.info)("%s", status)
     return status
+
+
+# The hooks a site may ask for by name (`Site.trainer_hooks`): (apply it -> whether it could, what it does).
+TRAINER_HOOKS = {"fp32_logprob_head": (align_logprob_head, "TRL's logprob head in fp32")}
 
 
 def disable() -> None:

@@ -47,6 +47,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from .. import sites as registry
 from ..config import OptionError, Options
 from ..graph_pass import align_and_record
 from ..lowering import keep_site_roundings
@@ -187,14 +188,23 @@ def _settings(opts: Options) -> dict[str, Any]:
 
 
 def _prepare_process(opts: Options) -> None:
-    """What a process that builds models for engines with `opts` needs besides the config."""
-    if "rope" in opts.sites:
-        keep_rope_tables_fp32()
+    """What a process that builds models for engines with `opts` needs besides the config: the
+    selected sites' engine hooks (`Site.engine_hooks`, e.g. fp32 RoPE tables) and environment
+    (`Site.engine_env`: vLLM reads its settings from the environment of the processes it starts
+    and of this one)."""
+    for site in registry.selected(opts.sites):
+        for name, value in site.engine_env.items():
+            if os.environ.get(name) != value:
+                log.info("rla's %s site: %s=%s for vLLM engines started from this process", site.kind, name, value)
+                os.environ[name] = value
+        for hook in site.engine_hooks:
+            ENGINE_HOOKS[hook]()
 
 
 def engine_kwargs(**options: Any) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM(...)` / `EngineArgs`: `compilation_config` (rla's pass)
-    and, with the `logits` site, `hf_overrides={"head_dtype": "float32"}`.
+    and the `hf_overrides` the selected sites need (`Site.engine_overrides`; the logits site:
+    `{"head_dtype": "float32"}`).
 
         llm = LLM(model, **rla_vllm.engine_kwargs(sites=["rmsnorm", "residual_rmsnorm", "swiglu", "rope", "logits"]))
 
@@ -206,23 +216,25 @@ def engine_kwargs(**options: Any) -> dict[str, Any]:
     _vllm()
     opts = Options.from_dict(options)
     kwargs: dict[str, Any] = {"compilation_config": _settings(opts)}
-    overrides = _head_overrides(opts, None)
+    overrides = _engine_overrides(opts, None)
     if overrides is not None:
         kwargs["hf_overrides"] = overrides
     return kwargs
 
 
-def _head_overrides(opts: Options, current: Any) -> Any:
-    """`hf_overrides` with head_dtype float32 when the logits site is selected (the user's own
-    head_dtype wins); None when nothing needs changing."""
-    if "logits" not in opts.sites:
+def _engine_overrides(opts: Options, current: Any) -> Any:
+    """`hf_overrides` with what the selected sites need (`Site.engine_overrides`; the user's own
+    values win); None when nothing needs changing."""
+    wanted = {key: value for site in registry.selected(opts.sites) for key, value in site.engine_overrides.items()}
+    if not wanted:
         return None
     if current is None:
-        return {"head_dtype": "float32"}
+        return wanted
     if isinstance(current, Mapping):
-        return None if "head_dtype" in current else {**current, "head_dtype": "float32"}
-    log.warning("rla's logits site: hf_overrides is a function, so head_dtype=float32 is not added; "
-                "set it yourself for the inference half of the logits site")
+        missing = {key: value for key, value in wanted.items() if key not in current}
+        return {**current, **missing} if missing else None
+    log.warning("rla: hf_overrides is a function, so %s is not added; set it yourself for the inference half "
+                "of the selected sites", wanted)
     return None
 
 
@@ -315,7 +327,7 @@ def install(options: Options | None = None) -> None:
             return original(self, *args, **kwargs)
         users, users_overrides = self.compilation_config, self.hf_overrides
         self.compilation_config = _with_rla(users, opts)
-        overrides = _head_overrides(opts, users_overrides)
+        overrides = _engine_overrides(opts, users_overrides)
         if overrides is not None:
             self.hf_overrides = overrides
         try:
@@ -361,7 +373,11 @@ def _engine_keeps_fp32_rope() -> bool:
 
     config = get_current_vllm_config_or_none()  # set by vLLM while it builds an engine's model
     rla = None if config is None else config.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass")
-    return is_rla_pass(rla) and "rope" in rla.options.sites
+    return is_rla_pass(rla) and any("fp32_rope_tables" in site.engine_hooks for site in registry.selected(rla.options.sites))
+
+
+# The hooks a site may ask for by name (`Site.engine_hooks`), run by `_prepare_process`.
+ENGINE_HOOKS = {"fp32_rope_tables": keep_rope_tables_fp32}
 
 
 def register() -> None:
