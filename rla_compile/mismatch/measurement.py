@@ -56,12 +56,15 @@ def default_stacks(inference: str | None = None) -> tuple[Stack, Stack, str | No
 
 def configurations(ablation: bool) -> list[tuple[str, tuple | None, tuple | None]]:
     """(label, trainer sites, inference sites) per row; None is rla off. rla off, on one side,
-    on both (the default sites), on both with each opt-in site too; with `ablation` also each
+    on both (the default sites), on both with each opt-in site too, and with all of them; with `ablation` also each
     site alone on both sides."""
     every = tuple(registry.DEFAULT_SITES)
     rows = [("rla off", None, None), ("rla on trainer only", every, None), ("rla on inference only", None, every),
             ("rla on both", every, every)]
     rows += [(f"rla on both + {kind}", every + (kind,), every + (kind,)) for kind in registry.OPT_IN_SITES]
+    if len(registry.OPT_IN_SITES) > 1:
+        everything = every + tuple(registry.OPT_IN_SITES)
+        rows.append((f"rla on both + {' + '.join(registry.OPT_IN_SITES)}", everything, everything))
     if ablation:
         rows += [(f"{kind} only, both sides", (kind,), (kind,)) for kind in registry.SITE_KINDS]
     return rows
