@@ -13,7 +13,7 @@ import torch
 
 from rla_compile import bundled, mismatch
 from rla_compile.mismatch import Stack, compare_logprobs, localise
-from rla_compile.mismatch.localise import ulp_distance
+from rla_compile.mismatch.metrics import ulp_distance
 
 # Two positions over a vocabulary of 2. Trainer π: [.5, .5] then [.9, .1]; inference μ:
 # [.25, .75] then [.9, .1]; sampled tokens 0 then 1. So δ = log π(t) - log μ(t) = (log 2, 0).

@@ -24,6 +24,7 @@ import torch
 from torch._inductor import config as inductor_config
 
 import rla_compile
+from rla_compile.mismatch.metrics import ulp_distance
 from site_cases import CASES, POST_NORM, Case
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -48,12 +49,6 @@ def _run(fn, case: Case, dtype, backend=None, emulate=False):
 
 def _mismatches(a, b):
     return [int((x != y).sum()) for x, y in zip(a, b, strict=True)]
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in units in the last place of a's dtype (same-sign finite values)."""
-    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
-    return (a.view(bits).to(torch.int32) - b.view(bits).to(torch.int32)).abs()
 
 
 @pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
@@ -89,7 +84,7 @@ def test_site_follows_contract(case: Case, dtype, pin, inner):
         differ = a != b
         assert int(differ.sum()) <= max(1, a.numel() // 100)
         if differ.any():
-            assert int(_ulps(a[differ], b[differ]).max()) <= 1
+            assert float(ulp_distance(a[differ], b[differ]).max()) <= 1
 
 
 def test_upcast_keeps_the_order_of_the_values_other_users():

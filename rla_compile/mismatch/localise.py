@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..ops import dtype_name
+from .metrics import ulp_distance
 from .stacks import DTYPES, Stack, hf_logits, hf_runner, run_vllm_worker, score
 
 __all__ = ["Point", "Localisation", "localise", "ulp_distance"]
@@ -38,22 +39,6 @@ __all__ = ["Point", "Localisation", "localise", "ulp_distance"]
 # recording them stored them as bf16 (logits moved by up to 0.375); the layers' outputs (the
 # residual stream) are not stored between layers either (recording them: up to 0.19).
 UNRECORDED = ("self_attn.q_norm", "self_attn.k_norm")
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in units in the last place of the larger of |a|, |b| in their dtype, elementwise
-    (float64). 1 means neighbours; values of opposite sign near zero are not counted as the
-    tens of thousands of representable values between them."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        raise ValueError(f"compare tensors of one dtype and shape, got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
-    if a.dtype not in MANTISSA_BITS:
-        raise ValueError(f"ulp distance needs a floating dtype, got {a.dtype}")
-    x, y = a.double(), b.double()
-    _, exponent = torch.frexp(torch.maximum(x.abs(), y.abs()))
-    tiny = torch.finfo(a.dtype).smallest_normal * 2.0 ** -MANTISSA_BITS[a.dtype]
-    ulp = torch.clamp(torch.ldexp(torch.ones_like(x), exponent - 1 - MANTISSA_BITS[a.dtype]), min=tiny)
-    return torch.where(x == y, torch.zeros_like(x), (x - y).abs() / ulp)
 
 
 @dataclass(frozen=True)

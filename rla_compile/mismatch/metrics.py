@@ -22,13 +22,36 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-__all__ = ["Metrics", "compare_logprobs", "k3"]
+__all__ = ["Metrics", "compare_logprobs", "k3", "k3_rows", "ulp_distance"]
+
+
+def k3_rows(delta: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(μ‖π) from δ = log π - log μ at tokens sampled from μ, one
+    per row: mean(e^δ - 1 - δ) over the last dimension, in δ's dtype."""
+    return (delta.exp() - 1 - delta).mean(-1)
 
 
 def k3(delta: torch.Tensor) -> float:
-    """Schulman's k3 estimate of KL(μ‖π) from δ = log π - log μ at tokens sampled from μ."""
-    delta = delta.double()
-    return float((delta.exp() - 1 - delta).mean())
+    """k3 over all of δ, in float64."""
+    return float(k3_rows(delta.double().reshape(-1)))
+
+
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units in the last place of the larger of |a|, |b| in their dtype, elementwise
+    (float64). 1 means neighbours; values of opposite sign near zero are not counted as the
+    tens of thousands of representable values between them."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"compare tensors of one dtype and shape, got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
+    if a.dtype not in MANTISSA_BITS:
+        raise ValueError(f"ulp distance needs a floating dtype, got {a.dtype}")
+    x, y = a.double(), b.double()
+    _, exponent = torch.frexp(torch.maximum(x.abs(), y.abs()))
+    tiny = torch.finfo(a.dtype).smallest_normal * 2.0 ** -MANTISSA_BITS[a.dtype]
+    ulp = torch.clamp(torch.ldexp(torch.ones_like(x), exponent - 1 - MANTISSA_BITS[a.dtype]), min=tiny)
+    return torch.where(x == y, torch.zeros_like(x), (x - y).abs() / ulp)
 
 
 @dataclass(frozen=True)

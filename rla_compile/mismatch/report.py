@@ -12,10 +12,11 @@ import torch
 
 from ..machine import describe
 from .. import sites as registry
-from .metrics import Metrics
+from .metrics import Metrics, k3_rows
 from .stacks import Stack
 
 __all__ = ["MismatchReport", "Row", "change_interval", "legend", "STAND_IN"]
+
 
 def legend() -> str:
     """The report's key: the metrics, and the stacks' names with the sites they align."""
@@ -54,15 +55,11 @@ class Row:
                    Metrics(**data["metrics"]), data["delta"])
 
 
-def _k3(delta: torch.Tensor) -> torch.Tensor:
-    return (delta.exp() - 1 - delta).mean(-1)
-
-
 def _mean_abs(delta: torch.Tensor) -> torch.Tensor:
     return delta.abs().mean(-1)
 
 
-INTERVAL_METRICS = {"k3": _k3, "mean|Δlp|": _mean_abs}
+INTERVAL_METRICS = {"k3": k3_rows, "mean|Δlp|": _mean_abs}
 
 
 def change_interval(delta: list[float], baseline: list[float], sequences: int, metric: str = "k3",
