@@ -1,4 +1,4 @@
-"""LayerNorm and softmax as ATen's kernels again, where Inductor decomposed them and their
+"""LayerNorm, softmax and GELU as ATen's kernels again, where Inductor decomposed them and their
 result is rounded (`reassemble`, used by `lowering.pin_eager_math`).
 
 Why (issue #23, LayerNorm families: StableLM, Persimmon, GPT-NeoX): pinned rla under Inductor
@@ -14,6 +14,10 @@ pieces (var_mean, exp) are not eager ops, and running them on ATen one by one wo
 reproduce the fused kernel either. So the decomposition is put back together as the one ATen
 call eager runs (after: 0 of 40 for all three;
 tests/test_invariance.py::test_pinned_layer_norm_and_softmax_round_eager_values).
+
+GELU (exact, erf) likewise: the sweep over every family found CPM-Ant (a GeGLU MLP, aligned as
+a swiglu site) differing pinned from eager kernels on 7 of 8 inputs, first at the GELU inside the
+site (30887 of 1.1M elements): Inductor's vectorised erf is not ATen's.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def reassemble(graph: Graph) -> list:
             found = _layer_norm_pieces(node)
         elif ops.is_op(node, "exp") and _piece_of(node, "_softmax"):
             found = _softmax_pieces(node)
+        elif ops.is_op(node, "erf") and _piece_of(node, "gelu"):
+            found = _gelu_pieces(node)
         else:
             continue
         if found is not None:
@@ -155,6 +161,30 @@ def _softmax_pieces(e):
     return torch.ops.rla.eager_softmax.default, (x32, dims[0]), {None: p}
 
 
+def _gelu_pieces(erf):
+    """torch/_decomp gelu (exact, erf): y = (x32 * 0.5) * (1 + erf(x32 * M_SQRT1_2)), from its erf.
+    Either the GELU of a low-precision x in x's dtype (x32 = x.float() and y.to(x.dtype) are the
+    decomposition's own) or of an fp32 x32 (a GeGLU site's gate, computed in fp32).
+    -> (op, args, {index: node}) or None."""
+    op = "gelu"
+    scaled = erf.args[0]
+    if not (ops.is_op(scaled, "mul") and _piece_of(scaled, op) and ops.constant(scaled.args[1]) == 0.7071067811865476):
+        return None
+    x32 = scaled.args[0]
+    shift = _one_user(erf, "add", op)
+    y = shift and ops.constant(shift.args[1]) == 1 and _one_user(shift, "mul", op)
+    if not y or ops.dtype_of(y) != torch.float32:
+        return None
+    half = next((a for a in y.args if a is not shift), None)
+    if not (ops.is_op(half, "mul") and _piece_of(half, op) and half.args[0] is x32 and ops.constant(half.args[1]) == 0.5):
+        return None
+    if ops.is_cast(x32) and _piece_of(x32, op) and ops.is_low_precision(x32.args[0]):
+        rounding = _rounding_of(y, ops.dtype_of(x32.args[0]), op)
+        if rounding is not None:  # GELU in bf16: eager's kernel computes in fp32 and rounds once
+            return torch.ops.rla.eager_gelu.default, (x32.args[0],), {None: rounding}
+    return torch.ops.rla.eager_gelu.default, (x32,), {None: y}
+
+
 # The ATen kernels `reassemble` calls, as ops of rla's own: Inductor refuses a
 # post-grad call to an op it has a decomposition for (`aten.native_layer_norm`, `aten._softmax`:
 # "both a fallback and a decomp for same op"), and runs an op it has neither for as a call to
@@ -178,6 +208,16 @@ def _eager_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 @_eager_softmax.register_fake
 def _(x, dim):
     return torch.ops.aten._softmax.default(x, dim, False)
+
+
+@torch.library.custom_op("rla::eager_gelu", mutates_args=())
+def _eager_gelu(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu.default(x)
+
+
+@_eager_gelu.register_fake
+def _(x):
+    return torch.ops.aten.gelu.default(x)
 
 
 def _call_eager_kernel(graph: Graph, target, args, outputs: dict, erased: set):

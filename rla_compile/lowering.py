@@ -5,7 +5,7 @@ backend, vLLM's post-grad pass) apply after the rewrite so that Inductor compute
 - unpinned, upcasts of a rounded site output run on ATen, or the rounding is stored before
   the kernel boundary that its reader waits for (`_kernel_apart`);
 - pinned (`pin_rounding`, Inductor's `emulate_precision_casts`), the fp32 math a rounding reads
-  runs on ATen's kernels (`pin_eager_math`), LayerNorm and softmax included (eager_kernels.py).
+  runs on ATen's kernels (`pin_eager_math`), LayerNorm, softmax and GELU included (eager_kernels.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class KeepSiteRounding(CustomGraphPass):
     the same kernel. The per-node barrier makes the lowering round at exactly these nodes.
 
     With `pin_rounding`, the fp32 reductions and transcendentals that a rounding reads (a
-    site's or, in a graph with a site, the model's own), and LayerNorm and softmax, also run
+    site's or, in a graph with a site, the model's own), and LayerNorm, softmax and GELU, also run
     on ATen's kernels, as under `compiler="aot_eager"` (`pin_eager_math`): each rounding then
     rounds the same fp32 value whatever the compiler.
     """
@@ -169,7 +169,7 @@ def eager_math_nodes(graph: Graph) -> list:
     inputs through Inductor's mean), through values wider than it (fp32); low-precision and
     integer values end the walk (rounded, or exact). Only nodes that are an eager op themselves
     are returned, never pieces of an op Inductor decomposed (silu -> exp): running a piece on
-    ATen would not reproduce the eager kernel (LayerNorm and softmax: `eager_kernels.reassemble`).
+    ATen would not reproduce the eager kernel (LayerNorm, softmax and GELU: `eager_kernels.reassemble`).
     """
     found: set = set()
     if not any(is_site_rounding(n) for n in graph.nodes):
