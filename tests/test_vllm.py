@@ -205,7 +205,7 @@ def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
     monkeypatch.delenv(rla_vllm.FP32_ROPE_ENV, raising=False)
     environ = dict(os.environ)
     tables = {}
-    for max_position, sites in ((256, ["rope"]), (320, ["swiglu"])):  # distinct layers: get_rope caches them
+    for max_position, sites in ((264, ["rope"]), (328, ["swiglu"])):  # layers of their own: get_rope caches by shape
         settings = rla_vllm.compilation_config(sites=sites)
         assert dict(os.environ) == environ
         config = VllmConfig(compilation_config=CompilationConfig(
