@@ -1,7 +1,7 @@
 """Where a run-time difference lives: a per-kernel profile of plain Inductor and rla, side by side.
 
-    python -m benchmarks.kernel_profile --size medium --mode training
-    python -m benchmarks.kernel_profile --size qwen3-width --mode inference --json benchmarks/results/kernel_profile_qwen3_cpu.json
+    python -m benchmarks.kernel_profile --size medium --mode training --json benchmarks/results/kernel_profile_medium_training_cpu.json
+    python -m benchmarks.kernel_profile --size qwen3-width --mode inference --json benchmarks/results/kernel_profile_qwen3_inference_cpu.json
 
 Each variant compiles its own model (caches off), runs 3 untimed steps, then `--steps` steps
 under `torch.profiler` with Inductor's `cpp.enable_kernel_profile` (each generated C++ kernel

@@ -3,6 +3,7 @@
 sites vs the four plus `logits`, measured side by side in one run.
 
     python -m benchmarks.logits_cost [--tokens 256] [--hidden 1024] [--vocab 151936] [--reps 5] [--json out.json]
+    python -m benchmarks.logits_cost --reps 3 --json benchmarks/results/logits_cost_cpu.json
 
 Per variant: the median time of a training step (head + cross-entropy, forward and backward)
 and of an inference forward (head + log-softmax), repetitions alternating between variants;

@@ -3,6 +3,7 @@ stock (policy compiled in place with plain Inductor, stock vLLM), rla on the tra
 in vLLM only, rla on both. Logs TRL's per-step mismatch metrics, reward and step time.
 
     python -m benchmarks.rl [--steps 20] [--seeds 0 1 2] [--configs stock both] [--json out.json]
+    python -m benchmarks.rl --steps 30 --seeds 0 1 2 --json benchmarks/results/rl_cpu.json --plot benchmarks/results/rl_cpu.png
 
 Each (configuration, seed) runs in a fresh process (a vLLM engine and rla's switches are per
 process), with fresh compile caches, on the settings of examples/grpo_trl.py (8 prompts x 4

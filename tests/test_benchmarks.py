@@ -3,6 +3,7 @@ are in docs/performance.md; timing is not asserted here.)"""
 
 from __future__ import annotations
 
+import ast
 import json
 import statistics
 import subprocess
@@ -16,6 +17,14 @@ from benchmarks.common import RESULTS, module_command, module_env
 def _run(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(module_command(f"benchmarks.{name}", *args), capture_output=True, text=True, cwd=cwd,
                           env=module_env(), timeout=900)
+
+
+def test_every_committed_result_names_the_script_that_writes_it():
+    """Each file in benchmarks/results is named in the docstring of one benchmark (the command
+    that writes it): a result whose script is gone, or that no script writes, fails here."""
+    docs = {p.stem: ast.get_docstring(ast.parse(p.read_text())) or "" for p in RESULTS.parent.glob("*.py")}
+    writers = {r.name: [s for s, doc in docs.items() if f"benchmarks/results/{r.name}" in doc] for r in RESULTS.iterdir()}
+    assert {name: found for name, found in writers.items() if len(found) != 1} == {}
 
 
 def test_runtime_smoke(tmp_path):
