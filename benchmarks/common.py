@@ -4,6 +4,9 @@ the machine description written next to every result."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -12,7 +15,8 @@ import rla_compile
 from rla_compile.machine import machine
 from rla_compile.tiny import tiny_causal_lm
 
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent  # run the benchmarks from here: python -m benchmarks.<name>
+RESULTS = ROOT / "benchmarks" / "results"
 
 SIZES = {
     "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, batch=2, seq=32),
@@ -68,12 +72,24 @@ def ratio_cell(result: dict, name: str) -> str:
     return f"{result['ratio_vs_inductor'][name]:.3f} ({low:.2f}-{high:.2f})"
 
 
-def fresh_process_runs(script: str, argv: list[str], runs: int) -> list:
-    """Run `script` with `argv` (less its --runs and --json) once per run, each in a fresh
+def module_command(module: str, *args) -> list[str]:
+    """The command that runs `module` (a benchmark: "benchmarks.runtime") in a fresh process."""
+    return [sys.executable, "-m", module, *map(str, args)]
+
+
+def module_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's environment) with the repository root first on
+    PYTHONPATH, so that `python -m benchmarks.<name>` runs from any working directory."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def fresh_process_runs(module: str, argv: list[str], runs: int) -> list:
+    """Run `module` with `argv` (less its --runs and --json) once per run, each in a fresh
     process, and return each run's "results": on a shared CPU a ratio moves more between
     processes than between repetitions in one."""
     import subprocess
-    import sys
     import tempfile
 
     passed = [a for i, a in enumerate(argv) if a not in ("--runs", "--json") and (i == 0 or argv[i - 1] not in ("--runs", "--json"))]
@@ -81,7 +97,7 @@ def fresh_process_runs(script: str, argv: list[str], runs: int) -> list:
     for run in range(runs):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             print(f"-- run {run + 1} of {runs} (fresh process)", flush=True)
-            subprocess.run([sys.executable, script, *passed, "--json", out.name], check=True)
+            subprocess.run(module_command(module, *passed, "--json", out.name), check=True, env=module_env())
             results.append(json.loads(Path(out.name).read_text())["results"])
     return results
 

@@ -5,22 +5,20 @@ For each depth (decoder layers) a tiny Llama's training step is compiled under
 and backward) is the compile time, and the report's `seconds` says what rla itself took: the
 pre-dispatch re-trace and the rewrite (matching + editing the graph).
 
-    python benchmarks/compile_time.py --json benchmarks/results/compile_time_cpu.json
-    python benchmarks/compile_time.py --layers 1            # smoke
+    python -m benchmarks.compile_time --json benchmarks/results/compile_time_cpu.json
+    python -m benchmarks.compile_time --layers 1            # smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import rla_compile  # noqa: E402
-from common import model_and_tokens, train_step, write  # noqa: E402
+import rla_compile
+
+from .common import model_and_tokens, train_step, write
 
 
 def measure(layers: int, device: str = "cpu") -> dict:

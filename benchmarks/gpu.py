@@ -1,6 +1,6 @@
 """The same measurements on a CUDA machine (torch + Triton, no vLLM needed), one command:
 
-    python benchmarks/gpu.py            # writes benchmarks/results/gpu.json
+    python -m benchmarks.gpu            # writes benchmarks/results/gpu.json
 
 Run time (inference and training step, small and medium, aligned vs unaligned, pinned and
 not), peak CUDA memory of the training step and saved-for-backward bytes, the residual stream
@@ -15,22 +15,16 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import compile_time  # noqa: E402
-import memory  # noqa: E402
-import real_shape  # noqa: E402
-import residual_save  # noqa: E402
-import runtime  # noqa: E402
-from common import RESULTS, SIZES, VARIANTS, machine  # noqa: E402
+from . import compile_time, memory, real_shape, residual_save, runtime
+from .common import RESULTS, SIZES, VARIANTS, machine
 
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA device; on CPU run runtime.py, memory.py, compile_time.py", file=sys.stderr)
+        print("benchmarks.gpu needs a CUDA device; on CPU run benchmarks.runtime, benchmarks.memory, benchmarks.compile_time", file=sys.stderr)
         return 2
     out = {"machine": machine("cuda"), "runtime": [], "memory": [], "residual_save": [], "compile_time": [], "real_shape": [],
            "errors": []}

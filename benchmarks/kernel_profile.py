@@ -1,7 +1,7 @@
 """Where a run-time difference lives: a per-kernel profile of plain Inductor and rla, side by side.
 
-    python benchmarks/kernel_profile.py --size medium --mode training
-    python benchmarks/kernel_profile.py --size qwen3-width --mode inference --json benchmarks/results/kernel_profile_qwen3_cpu.json
+    python -m benchmarks.kernel_profile --size medium --mode training --json benchmarks/results/kernel_profile_medium_training_cpu.json
+    python -m benchmarks.kernel_profile --size qwen3-width --mode inference --json benchmarks/results/kernel_profile_qwen3_inference_cpu.json
 
 Each variant compiles its own model (caches off), runs 3 untimed steps, then `--steps` steps
 under `torch.profiler` with Inductor's `cpp.enable_kernel_profile` (each generated C++ kernel
@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import sys
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
-from common import SIZES, model_and_tokens, train_step, write  # noqa: E402
-from upcasts_before_after import QWEN3_WIDTH  # noqa: E402
+import rla_compile
 
-import rla_compile  # noqa: E402
+from . import common
+from .common import SIZES, model_and_tokens, train_step, write
+from .upcasts_before_after import QWEN3_WIDTH
 
 VARIANTS = {"inductor": lambda: "inductor", "rla": lambda: rla_compile.Backend()}
 

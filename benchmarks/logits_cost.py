@@ -2,7 +2,8 @@
 (hidden 1024, vocabulary 151,936, bf16 weights) on 256 tokens, compiled with rla's four default
 sites vs the four plus `logits`, measured side by side in one run.
 
-    python benchmarks/logits_cost.py [--tokens 256] [--hidden 1024] [--vocab 151936] [--reps 5] [--json out.json]
+    python -m benchmarks.logits_cost [--tokens 256] [--hidden 1024] [--vocab 151936] [--reps 5] [--json out.json]
+    python -m benchmarks.logits_cost --reps 3 --json benchmarks/results/logits_cost_cpu.json
 
 Per variant: the median time of a training step (head + cross-entropy, forward and backward)
 and of an inference forward (head + log-softmax), repetitions alternating between variants;
@@ -18,16 +19,14 @@ import argparse
 import resource
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-import rla_compile  # noqa: E402
-from common import saved_bytes_of, write  # noqa: E402
+import rla_compile
+
+from .common import module_command, module_env, saved_bytes_of, write
 
 VARIANTS = {
     "rla (4 sites)": list(rla_compile.DEFAULT_SITES),
@@ -66,8 +65,8 @@ def train_step(compiled, h, labels):
 
 def peak_rss(args, name: str) -> float:
     """Peak RSS (MB) of a fresh process: one warm-up and one measured training step."""
-    done = subprocess.run([sys.executable, __file__, "--rss-of", name, "--tokens", str(args.tokens), "--hidden",
-                           str(args.hidden), "--vocab", str(args.vocab)], capture_output=True, text=True, check=True)
+    done = subprocess.run(module_command(__spec__.name, "--rss-of", name, "--tokens", args.tokens, "--hidden", args.hidden,
+                                         "--vocab", args.vocab), capture_output=True, text=True, check=True, env=module_env())
     return float(done.stdout.strip().splitlines()[-1])
 
 

@@ -2,19 +2,16 @@
 backward (the part the rewrite can change: an aligned site may save fp32 values where the
 original saved bf16 ones), counted exactly with saved-tensor hooks, and the parameters.
 
-    python benchmarks/memory.py --json benchmarks/results/memory_cpu.json
+    python -m benchmarks.memory --json benchmarks/results/memory_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, VARIANTS, model_and_tokens, saved_bytes_of, write  # noqa: E402
+from .common import SIZES, VARIANTS, model_and_tokens, saved_bytes_of, write
 
 
 def saved_bytes(size: str, backend, device: str = "cpu") -> int:

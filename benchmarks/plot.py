@@ -1,6 +1,6 @@
 """Plot the committed CPU results: run-time and memory ratios, and pass time vs depth.
 
-    python benchmarks/plot.py            # writes benchmarks/results/performance_cpu.png
+    python -m benchmarks.plot            # writes benchmarks/results/performance_cpu.png
 """
 
 from __future__ import annotations

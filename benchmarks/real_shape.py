@@ -2,8 +2,8 @@
 (28 layers, hidden 1024, 16/8 heads of 128, MLP 3072, vocabulary 151,936, tied embeddings),
 random bf16 weights, a training step (SGD) and an inference forward on one sequence of 256 tokens.
 
-    python benchmarks/real_shape.py --json benchmarks/results/real_shape_cpu.json
-    python benchmarks/real_shape.py --layers 1 --hidden 64 --vocab 512 --tokens 16 --reps 1 --no-warm-up  # smoke
+    python -m benchmarks.real_shape --json benchmarks/results/real_shape_cpu.json
+    python -m benchmarks.real_shape --layers 1 --hidden 64 --vocab 512 --tokens 16 --reps 1 --no-warm-up  # smoke
 
 One model, compiled per variant (plain Inductor, rla, rla + the opt-in `logits` site), caches
 and kernels compiled fresh. Per variant: first-step compile time of the training step (first step minus a steady
@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 
 import torch
+from torch._inductor.utils import fresh_cache
 
-sys.path.insert(0, str(Path(__file__).parent))
-import rla_compile  # noqa: E402
-import rla_compile.sites  # noqa: E402
-from common import fresh_process_runs, saved_bytes_of, write  # noqa: E402
-from rla_compile.tiny import tiny_causal_lm  # noqa: E402
-from torch._inductor.utils import fresh_cache  # noqa: E402
+import rla_compile
+import rla_compile.sites
+from rla_compile.tiny import tiny_causal_lm
+
+from .common import fresh_process_runs, saved_bytes_of, write
 
 QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
@@ -71,7 +71,6 @@ def _timed(fn, device: str = "cpu") -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
-
 
 
 def _warm_up() -> None:
@@ -214,7 +213,7 @@ def _spread_cell(v: dict | None) -> str:
 def _across_processes(args, argv: list[str]) -> dict:
     """Every run's result, and per variant and column the median, min and max of the ratio to
     plain Inductor over the runs."""
-    runs = fresh_process_runs(__file__, argv, args.runs)
+    runs = fresh_process_runs(__spec__.name, argv, args.runs)
     spread = {name: {c: {f.__name__: f(r["ratio_vs_inductor"][name][c] for r in runs)
                          for f in (statistics.median, min, max)} if runs[0]["ratio_vs_inductor"][name][c] is not None else None
                      for c in COLUMNS} for name in runs[0]["ratio_vs_inductor"]}

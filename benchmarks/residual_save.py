@@ -7,26 +7,26 @@ each upcast must then run on ATen (docs/contract.md: the CPU code generator's cs
 This prints what each choice costs against plain Inductor: training step time and the bytes
 saved for the backward.
 
-    python benchmarks/residual_save.py --json benchmarks/results/residual_save_cpu.json
+    python -m benchmarks.residual_save --json benchmarks/results/residual_save_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
-from common import SIZES, ratio_cell, write  # noqa: E402
-from memory import saved_bytes  # noqa: E402
-from upcasts_before_after import QWEN3_WIDTH, measure_alternatives  # noqa: E402
+import rla_compile
+from rla_compile import engine
 
-import rla_compile  # noqa: E402
-from rla_compile import rewriter  # noqa: E402
+import rla_compile
+from rla_compile import rewriter
+
+from . import common
+from .common import SIZES, ratio_cell, write
+from .memory import saved_bytes
+from .upcasts_before_after import QWEN3_WIDTH, measure_alternatives
 
 VARIANTS = {
     "inductor": lambda: "inductor",

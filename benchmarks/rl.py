@@ -2,7 +2,8 @@
 stock (policy compiled in place with plain Inductor, stock vLLM), rla on the trainer only, rla
 in vLLM only, rla on both. Logs TRL's per-step mismatch metrics, reward and step time.
 
-    python benchmarks/rl.py [--steps 20] [--seeds 0 1 2] [--configs stock both] [--json out.json]
+    python -m benchmarks.rl [--steps 20] [--seeds 0 1 2] [--configs stock both] [--json out.json]
+    python -m benchmarks.rl --steps 30 --seeds 0 1 2 --json benchmarks/results/rl_cpu.json --plot benchmarks/results/rl_cpu.png
 
 Each (configuration, seed) runs in a fresh process (a vLLM engine and rla's switches are per
 process), with fresh compile caches, on the settings of examples/grpo_trl.py (8 prompts x 4
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from rla_compile.sites import DEFAULT_SITES, OPT_IN_SITES
 
-sys.path.insert(0, str(Path(__file__).parent))
+from .common import module_command, module_env
 
 CONFIGS = {  # name: (trainer backend, rla in vLLM, rla's sites)
     "stock": ("inductor", False, None),
@@ -151,9 +152,8 @@ def run(config: str, steps: int, seed: int) -> dict:
                    VLLM_USE_AOT_COMPILE="0")
         start = time.perf_counter()
         with tempfile.TemporaryFile("w+") as errors:
-            worker_process = subprocess.Popen([sys.executable, __file__, "--worker", config, "--steps", str(steps),
-                                               "--seeds", str(seed)], stdout=subprocess.PIPE, stderr=errors,
-                                              text=True, env=env, cwd=cache)
+            worker_process = subprocess.Popen(module_command(__spec__.name, "--worker", config, "--steps", steps, "--seeds", seed),
+                                              stdout=subprocess.PIPE, stderr=errors, text=True, env=module_env(env), cwd=cache)
             last = ""
             for line in worker_process.stdout:  # progress lines pass through; the result is the last line
                 if line.startswith(f"    {config} seed"):

@@ -4,8 +4,8 @@ The same tiny Llama is compiled three ways: plain Inductor, rla (site roundings 
 default) and rla with `pin_rounding=True`. Repetitions alternate between them and the median
 is reported with the ratios to plain Inductor.
 
-    python benchmarks/runtime.py --runs 3 --json benchmarks/results/runtime_cpu.json
-    python benchmarks/runtime.py --sizes small --modes inference --reps 1     # smoke
+    python -m benchmarks.runtime --runs 3 --json benchmarks/results/runtime_cpu.json
+    python -m benchmarks.runtime --sizes small --modes inference --reps 1     # smoke
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ import contextlib
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import SIZES, VARIANTS, fresh_process_runs, model_and_tokens, train_step, write  # noqa: E402
+from .common import SIZES, VARIANTS, fresh_process_runs, model_and_tokens, train_step, write
 
 
 def _sync(device: str) -> None:
@@ -110,7 +108,7 @@ def main(argv=None) -> list[dict]:
 def _across_processes(args, argv: list[str]) -> list[dict]:
     """Run this script once per run in a fresh process; per (size, mode), every run's result
     and the median, min and max over the runs of each variant's ratio to plain Inductor."""
-    runs = fresh_process_runs(__file__, argv, args.runs)
+    runs = fresh_process_runs(__spec__.name, argv, args.runs)
     results = []
     print(f"{'size':<8}{'mode':<11}{'rla/ind median (min-max) over runs':>38}{'pinned/ind median (min-max)':>32}")
     for i, first in enumerate(runs[0]):

@@ -17,26 +17,24 @@ trick), so rla must make it read the rounded value.
 Sizes: the tiny Llamas of runtime.py, and "qwen3-width": 4 layers of Qwen3-0.6B's width
 (hidden 1024, 16/8 heads of 128, MLP 3072), vocabulary 8192, one sequence of 256 tokens.
 
-    python benchmarks/upcasts_before_after.py --sizes qwen3-width --json benchmarks/results/upcasts_qwen3_cpu.json
+    python -m benchmarks.upcasts_before_after --sizes qwen3-width --json benchmarks/results/upcasts_qwen3_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import common  # noqa: E402
-from common import SIZES, ratio_cell, write  # noqa: E402
-from real_shape import QWEN3_0_6B  # noqa: E402
-from runtime import measure  # noqa: E402
+import rla_compile
 
-import rla_compile  # noqa: E402
-import rla_compile.lowering as lowering  # noqa: E402
+import rla_compile.lowering as lowering
+
+from . import common
+from .common import SIZES, ratio_cell, write
+from .real_shape import QWEN3_0_6B
+from .runtime import measure
 
 QWEN3_WIDTH = {**{k: v for k, v in QWEN3_0_6B.items() if k not in ("rope_theta", "tie_word_embeddings")},
                "num_hidden_layers": 4, "vocab_size": 8192, "batch": 1, "seq": 256, "model_type": "qwen3"}

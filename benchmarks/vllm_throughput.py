@@ -1,8 +1,8 @@
 """vLLM with rla on vs off: engine start (load + compile + warm-up) and generation tokens/s,
 on the CPU build, each engine in its own process, repeated and alternated.
 
-    python benchmarks/vllm_throughput.py --json benchmarks/results/vllm_throughput_cpu.json
-    python benchmarks/vllm_throughput.py --reps 1 --tokens 8        # smoke
+    python -m benchmarks.vllm_throughput --json benchmarks/results/vllm_throughput_cpu.json
+    python -m benchmarks.vllm_throughput --reps 1 --tokens 8        # smoke
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import write  # noqa: E402
+from .common import write
 
 TINY = dict(hidden_size=128, head_dim=32, intermediate_size=256, vocab_size=512, max_position_embeddings=256)
 

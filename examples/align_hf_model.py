@@ -17,6 +17,8 @@ loss = compiled(ids, labels=ids, use_cache=False).loss  # training mode: the bac
 loss.backward()
 
 report = backend.reports[0]
+assert len(backend.reports) == 1  # one graph: the whole forward (and its backward)
+assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 print(report)
 print(report.counts())
 assert report.count(status="rewritten") == len(report.sites)

@@ -2,9 +2,9 @@
 
     python examples/grpo_trl.py [--steps 2] [--no-rla]
 
-A stock TRL GRPO script: the two lines marked `# rla` are all rla adds. `enable()` makes TRL's
-vLLM engine and its trained policy both follow the rounding contract (docs/rl.md), and fixes
-TRL's weight sync on vLLM-CPU. The reward is toy (the share of lowercase letters). TRL logs
+A stock TRL GRPO script: the two lines marked `# rla` are all rla adds (the asserts check
+what the example shows). `enable()` makes TRL's vLLM engine and its trained policy both follow
+the rounding contract (docs/rl.md), and fixes TRL's weight sync on vLLM-CPU. The reward is toy (the share of lowercase letters). TRL logs
 how far the trainer's logprobs are from vLLM's for the sampled tokens:
 `sampling/sampling_logp_difference/mean` (and `/max`, `sampling/importance_sampling_ratio/*`).
 
@@ -39,7 +39,8 @@ logging.getLogger("rla_compile").setLevel(logging.INFO)  # one line per graph rl
 if args.no_rla:
     rla_trl.fix_weight_sync()  # vLLM-CPU cannot take TRL's per-parameter weight loading
 else:
-    rla_trl.enable()  # rla
+    status = rla_trl.enable()  # rla
+    assert not status.off, status  # both sides, as the docstring says (else: what is missing, and why)
 
 
 def lowercase_share(completions, **kwargs):
@@ -80,6 +81,14 @@ logs = [entry for entry in trainer.state.log_history if "sampling/sampling_logp_
 for entry in logs:
     print(f"step {entry['step']}: logp-diff mean {entry['sampling/sampling_logp_difference/mean']:.5f}, "
           f"max {entry['sampling/sampling_logp_difference/max']:.4f}, reward {entry['reward']:.4f}")
+assert [entry["step"] for entry in logs] == list(range(1, args.steps + 1)), logs  # the mismatch, every step
+if not args.no_rla:  # rla's pass went into TRL's engine, and rla compiled the policy TRL trained
+    from rla_compile.integrations import vllm as rla_vllm
+    from rla_compile.integrations.trl import RlaCallback
+
+    assert rla_vllm.injected
+    (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, RlaCallback)]
+    assert any(s.status == "rewritten" for r in callback.backend.reports for s in r.sites)
 if args.metrics:
     with open(args.metrics, "w") as f:
         json.dump(logs, f, indent=1)

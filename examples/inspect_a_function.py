@@ -17,4 +17,6 @@ result = rla_compile.align_function(llama_rmsnorm, torch.randn(2, 8, 64).bfloat1
 print(result.report)
 print("\n--- before ---\n" + result.before)
 print("\n--- after ---\n" + result.after)
-assert "round rmsnorm" in result.after
+# one RMSNorm found and rewritten: the norm computed in fp32 and rounded once, where HF rounded x_norm
+assert [(s.kind, s.status) for s in result.report.sites] == [("rmsnorm", "rewritten")]
+assert "round rmsnorm" in result.after and "round rmsnorm" not in result.before

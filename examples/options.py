@@ -18,12 +18,16 @@ def block(x, gate, up):
     return normed, F.silu(gate) * up
 
 
+torch.manual_seed(0)
 args = [torch.randn(2, 8, 64).bfloat16() for _ in range(3)]
 
 # 1. Through torch.compile's own options (no import needed for the backend name).
 normed, gated = torch.compile(block, backend="rla", options={"sites": ["swiglu"], "compiler": "aot_eager"})(*args)
 # the SwiGLU site follows the contract: fp32 inside, one rounding at the end
 assert torch.equal(gated, (F.silu(args[1].float()) * args[2].float()).to(torch.bfloat16))
+assert not torch.equal(gated, block(*args)[1])  # eager's bf16 SwiGLU rounds twice: it differs
+# the norm was not selected: it is computed as written, bit for bit (eager kernels: aot_eager)
+assert torch.equal(normed, block(*args)[0])
 
 # 2. Through a backend object, which keeps the reports.
 with tempfile.TemporaryDirectory() as debug_dir:

@@ -154,9 +154,10 @@ def test_bad_env_options_fail_the_engine(tmp_path):
 @pytestmark_vllm
 @pytest.mark.vllm
 def test_vllm_benchmarks_smoke(tmp_path):
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    done = subprocess.run([sys.executable, str(bench / "vllm_throughput.py"), "--reps", "1", "--tokens", "4",
-                           "--json", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=1200)
+    from benchmarks.common import module_command, module_env
+
+    done = subprocess.run(module_command("benchmarks.vllm_throughput", "--reps", "1", "--tokens", "4", "--json", str(tmp_path / "t.json")),
+                          capture_output=True, text=True, env=module_env(), timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "t.json").read_text())["results"]
 
@@ -166,10 +167,11 @@ def test_vllm_benchmarks_smoke(tmp_path):
 def test_mismatch_tool_against_vllm(tmp_path):
     """`rla-compile mismatch` end to end with the real engine on the shipped model (the
     benchmark script, small): HF trainer vs vLLM, rla off / one side / both."""
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    done = subprocess.run([sys.executable, str(bench / "mismatch.py"), "--inference", "vllm", "--prompts", "2",
-                           "--new-tokens", "8", "--no-ablation", "--json", str(tmp_path / "m.json"),
-                           "--plot", str(tmp_path / "m.png")], capture_output=True, text=True, timeout=1800)
+    from benchmarks.common import module_command, module_env
+
+    done = subprocess.run(module_command("benchmarks.mismatch", "--inference", "vllm", "--prompts", "2", "--new-tokens", "8",
+                                                "--no-ablation", "--json", str(tmp_path / "m.json"), "--plot", str(tmp_path / "m.png")),
+                          capture_output=True, text=True, env=module_env(), timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "m.json").read_text())["results"]
     rows = {r["label"]: r for r in report["rows"]}
@@ -203,7 +205,7 @@ def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
     monkeypatch.delenv(rla_vllm.FP32_ROPE_ENV, raising=False)
     environ = dict(os.environ)
     tables = {}
-    for max_position, sites in ((256, ["rope"]), (320, ["swiglu"])):  # distinct layers: get_rope caches them
+    for max_position, sites in ((264, ["rope"]), (328, ["swiglu"])):  # layers of their own: get_rope caches by shape
         settings = rla_vllm.compilation_config(sites=sites)
         assert dict(os.environ) == environ
         config = VllmConfig(compilation_config=CompilationConfig(

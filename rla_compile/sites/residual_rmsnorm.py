@@ -12,7 +12,7 @@ upcasts then had to run on ATen (benchmarks/residual_save.py: small Llama traini
 Inductor recomputed, 1.02x saved; saved bytes 1.00x recomputed, 1.04x saved at the tiny sizes,
 where the stream is a larger share of the activations than at a real model's shape). Tagging
 the stream for recomputation instead (an earlier version) made every layer's backward
-recompute the whole stream from the embedding (residual_tags_cpu.json).
+recompute the whole stream from the embedding (docs/performance.md, measured at commit 7418346).
 """
 
 from __future__ import annotations
