@@ -18,9 +18,6 @@ from unittest import mock
 import torch
 
 import rla_compile
-from rla_compile import engine
-
-import rla_compile
 from rla_compile import rewriter
 
 from . import common

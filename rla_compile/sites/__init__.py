@@ -25,10 +25,10 @@ SITES: tuple[Site, ...] = (
     logits.SITE,
 )
 
-MATCHERS: tuple[SiteMatcher, ...]
-SITE_KINDS: tuple[str, ...]  # every kind, in the order options, errors and reports list them
-OPT_IN_SITES: tuple[str, ...]  # aligned only when asked for (each says why: `Site.opt_in`)
-DEFAULT_SITES: tuple[str, ...]  # what `sites` means when not given
+MATCHERS: tuple[SiteMatcher, ...] = ()
+SITE_KINDS: tuple[str, ...] = ()  # every kind, in the order options, errors and reports list them
+OPT_IN_SITES: tuple[str, ...] = ()  # aligned only when asked for (each says why: `Site.opt_in`)
+DEFAULT_SITES: tuple[str, ...] = ()  # what `sites` means when not given
 
 
 def _derive() -> None:
