@@ -70,7 +70,8 @@ def section(data: dict) -> str:
         f"Measured on {info['lscpu_model_name'] or info['cpu']} (`platform.processor()`: "
         f"{info['processor']!r}; {info['cpus']} cores), torch {info['torch']}, transformers {data['transformers']}: "
         f"{s['families']} model types in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, {s['compared']} compared, "
-        f"{s['skipped']} skipped, {s['errors']} errors. Each tiny model (`rla_compile.tiny`, vocabulary "
+        f"{s['skipped']} skipped, {s['errors']} errors" + (f", {s['not_run']} not run" if s.get("not_run") else "")
+        + f". Each tiny model (`rla_compile.tiny`, vocabulary "
         f"{family_sweep.VOCAB}) is compiled once and run on {seeds} seeded inputs of 2×{family_sweep.LENGTH} tokens. "
         f"rla rewrote sites in {s['aligned']} of them; in the others (no RMSNorm, SwiGLU or RoPE: "
         f"post-norm encoders, GPT-2 style models) it compiles the graph as Inductor does, so both columns "

@@ -54,7 +54,15 @@ HANDFUL = ("stablelm", "persimmon", "gpt_neox", "llama")
 # them to fail (strictly: a fix shows as an unexpected pass). Each reason names the first value
 # that differs (module hooks; tests/support/family_sweep.py's docstring) and whether plain
 # Inductor breaks there too.
-KNOWN: dict[str, str] = {}
+KNOWN: dict[str, str] = {
+    "minimax_m3_vl_text": "plain Inductor differs from plain aot_eager on every input too (8823-9085 logits of 12288), "
+                          "rla the same (8559-8867): Inductor's own math outside the sites, not localised yet",
+    "gpt_neox_japanese": "rla under Inductor fails to compile (fake tensors: a [2, 4, 24, 16] tensor with strides "
+                         "(1536, 16, 64, 1) cannot be viewed as (8, 24, 16)) where plain Inductor and rla on eager "
+                         "kernels compile; not localised yet",
+    "falcon_mamba": "rla fails to compile it (NYI: querying is_contiguous inside of vmap) where plain "
+                    "Inductor compiles; not localised yet",
+}
 
 
 def families() -> list[str]:
@@ -260,6 +268,7 @@ def summary(results: list[dict]) -> dict:
         "compared": len(compared),
         "skipped": sum(r["status"] == "skipped" for r in results),
         "errors": sum(r["status"] == "error" for r in results),
+        "not_run": sum(r["status"] == "not run" for r in results),  # a sweep cut short (--resume finishes it)
         "aligned": sum(bool(r["sites"]) for r in compared),  # rla rewrote a site: its promise applies
         "rla_breaks": [r["family"] for r in compared if r["sites"] and any(r["rla"])],
         "plain_breaks": [r["family"] for r in compared if any(r["plain"])],
