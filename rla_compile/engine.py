@@ -209,6 +209,9 @@ class _Rewriter:
 
     # -- the rewrite --------------------------------------------------------------------
     def rewrite(self, match: Match) -> None:
+        if match.computes is not None:
+            self.replace(match)
+            return
         region = match.nodes
         order = [n for n in self.graph.nodes if n in region]
         outside = {n: [u for u in n.users if u not in region] for n in order}
@@ -274,6 +277,34 @@ class _Rewriter:
             for role in match.save:
                 if match.roles[role] in rounding:
                     mark_save(rounding[match.roles[role]])
+
+
+    def replace(self, match: Match) -> None:
+        """A site that computes differently from the graph (`Match.computes`: attention): its
+        one output is replaced by the contract's computation, emitted before it from the roles
+        (upcast there), rounded once; the region's nodes nothing reads any more disappear."""
+        from .emit import Emitter
+
+        (output,) = [n for n in self.graph.nodes if n in match.nodes and any(u not in match.nodes for u in n.users)]
+        emitter = Emitter(self.graph, output, self.post_grad)
+        value = match.computes(emitter, match.roles)
+        dtype = ops.dtype_of(output)
+        if dtype in ops.LOW_PRECISION:
+            value = emitter.cast(value, dtype)
+            _tag_rounding(value, match.kind)
+        else:  # the graph's own rounding of an fp32 output: the site's one rounding
+            for user in output.users:
+                if ops.is_cast(user) and ops.is_low_precision(user):
+                    _tag_rounding(user, match.kind)
+        output.replace_all_uses_with(value)
+        for node in reversed([n for n in self.graph.nodes if n in match.nodes]):
+            if not node.users:
+                self.graph.erase_node(node)
+        if not self.post_grad:  # the backward recomputes these upcasts instead of saving fp32 copies
+            sources = {match.roles[role] for role in match.recompute if role in match.roles}
+            for node in emitter.emitted:
+                if ops.is_cast(node) and node.args[0] in sources:
+                    mark_recompute(node)
 
 
 def mark_recompute(upcast: Node) -> None:
@@ -411,7 +442,7 @@ def _decide(plans: list[_Plan], rewriter: _Rewriter) -> None:
             if (ops.is_low_precision(p) and rewriter.bypassable(p) is not None)
             or rewriter.rounded_upcast(p) is not None
         ]
-        if not lowp_inside and not rounded_inputs:
+        if not lowp_inside and not rounded_inputs and match.computes is None:  # a replaced site is recomputed
             plan.status, plan.reason = "already_aligned", "computed in fp32, rounded once"
         else:
             plan.status, plan.reason = "rewritten", _mixed_note(match)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .attention import AttentionMatcher
 from .base import Match, Miss, SiteMatcher
 from .logits import LogitsMatcher
 from .opaque import OpaqueNormMatcher
@@ -24,6 +25,7 @@ MATCHERS: tuple[SiteMatcher, ...] = (
     SwiGLUMatcher(),
     RoPEMatcher(),
     LogitsMatcher(),
+    AttentionMatcher(),
     OpaqueNormMatcher(),  # finds no site: reports norms hidden in one op as near misses
 )
 
@@ -33,8 +35,9 @@ MATCHERS: tuple[SiteMatcher, ...] = (
 SITE_KINDS: tuple[str, ...] = tuple(sorted(dict.fromkeys(m.kind for m in MATCHERS if m.kind), key=lambda kind: kind != "rmsnorm"))
 # Sites aligned only when asked for. The logits site changes the dtype of the logits the model
 # returns (fp32) and only helps with the inference engine's head in fp32 too
-# (docs/contract.md#logits).
-OPT_IN_SITES: tuple[str, ...] = ("logits",)
+# (docs/contract.md#logits). Attention replaces fused kernels by fp32 matmul-softmax-matmul,
+# [B, H, L, S] fp32 scores in memory (docs/contract.md#attention): opt-in until its cost is measured.
+OPT_IN_SITES: tuple[str, ...] = ("logits", "attention")
 # What `sites` means when not given.
 DEFAULT_SITES: tuple[str, ...] = tuple(kind for kind in SITE_KINDS if kind not in OPT_IN_SITES)
 
