@@ -106,14 +106,15 @@ class Emitter:
     def logical_not(self, a: Node) -> Node:
         return self.call(aten.logical_not.default, a)
 
-    def repeat_heads(self, x: Node, groups: int) -> Node:
+    def repeat_heads(self, x: Node, groups: int | Node) -> Node:
         """[B, H, S, E] -> [B, H * groups, S, E], each head `groups` times in a row (HF's
-        repeat_kv: unsqueeze, expand, reshape; SDPA's enable_gqa: repeat_interleave)."""
-        if groups == 1:
+        repeat_kv: unsqueeze, expand, reshape; SDPA's enable_gqa: repeat_interleave). Sizes
+        other than `groups` stay -1 and the flatten infers them: dynamic shapes need no
+        size nodes (`groups` itself may be one: the graph's own)."""
+        if isinstance(groups, int) and groups == 1:
             return x
-        b, h, s, e = x.meta["val"].shape
-        wide = self.call(aten.expand.default, self.call(aten.unsqueeze.default, x, 2), [b, h, groups, s, e])
-        return self.call(aten.reshape.default, wide, [b, h * groups, s, e])
+        wide = self.call(aten.expand.default, self.call(aten.unsqueeze.default, x, 2), [-1, -1, groups, -1, -1])
+        return self.call(aten.flatten.using_ints, wide, 1, 2)
 
     def above_diagonal(self, rows: int, cols: int, device: torch.device) -> Node:
         """bool[rows, cols], True strictly above the diagonal: what a causal mask removes

@@ -128,3 +128,23 @@ def test_training_step_equals_the_contract_reference(family, implementation):
     assert torch.equal(got, want)
     assert sorted(got_grads) == sorted(want_grads)
     assert [n for n in want_grads if not torch.equal(got_grads[n], want_grads[n])] == []
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_dynamic_shapes(implementation):
+    """torch.compile(dynamic=True): the scale becomes a run-time float and repeat_kv's group
+    count a symbolic size; the site reads both from the graph (the norms are not found there:
+    their eps is symbolic too, which the RMSNorm matcher does not take)."""
+    model = _model("llama", implementation)
+    backend = rla_compile.backend(inner="aot_eager", sites=["attention"])
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = torch.compile(model, backend=backend, dynamic=True)(_ids(), use_cache=False).logits
+    finally:
+        torch._dynamo.reset()
+    assert {(s.variant, s.status) for r in backend.reports for s in r.sites if s.kind == "attention"} == {
+        ({"eager": "eager, add mask", "sdpa": "sdpa, bool mask"}[implementation] + ", grouped", "rewritten")}
+    model.set_attn_implementation(f"rla_contract_{implementation}")
+    with torch.no_grad():
+        assert torch.equal(got, model(_ids(), use_cache=False).logits)

@@ -88,27 +88,26 @@ class _Mask:
             return e.masked_fill(scores, roles["mask"], self.value)
         if self.how == "keep":
             return e.masked_fill(scores, e.logical_not(roles["mask"]), self.value)
-        if self.how == "where":
+        if self.how == "where":  # where(cond, scores, other), or where(cond, other, scores)
             other = e.fp32(roles["mask_other"]) if "mask_other" in roles else self.value
-            if self.keep_first:
-                return e.where(roles["mask"], scores, other)
-            return e.masked_fill(scores, roles["mask"], other) if not isinstance(other, Node) else \
-                e.where(roles["mask"], other, scores)
+            keep = roles["mask"] if self.keep_first else e.logical_not(roles["mask"])
+            return e.where(keep, scores, other)
         rows, cols = scores.meta["val"].shape[-2:]
         return e.masked_fill(scores, e.above_diagonal(rows, cols, scores.meta["val"].device), -math.inf)
 
 
 @dataclass(frozen=True)
 class _Attention:
-    """The contract's computation for one site (roles q, k, v, and mask when there is one)."""
+    """The contract's computation for one site (roles q, k, v; mask when there is one; scale
+    when it is a run-time value, which replaces `scale`)."""
 
     scale: float
-    groups: int = 1
+    groups: int | Node = 1
     softcap: float | None = None
     mask: _Mask | None = None
 
     def __call__(self, e: Emitter, roles: dict[str, Node]) -> Node:
-        q = e.mul(e.fp32(roles["q"]), self.scale)  # q × scale in fp32, before q·k
+        q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale))  # q × scale in fp32, before q·k
         k = e.repeat_heads(e.fp32(roles["k"]), self.groups)
         v = e.repeat_heads(e.fp32(roles["v"]), self.groups)
         scores = e.matmul(q, e.transpose_last(k))
@@ -141,9 +140,22 @@ def _scalar_operand(node: Node) -> tuple[Node, float] | None:
     return a, (c if ops.is_op(node, "mul") else 1.0 / c)
 
 
-def _ungroup(node: object, nodes: set[Node]) -> tuple[object, int]:
+def _symbolic_factor(node: Node) -> tuple[Node, Node] | None:
+    """mul of a tensor by a symbolic float (a scale torch.compile(dynamic=True) did not
+    specialise): (tensor, the scalar's node)."""
+    if not ops.is_op(node, "mul") or len(node.args) != 2:
+        return None
+    for a, b in (node.args, node.args[::-1]):
+        if isinstance(a, Node) and isinstance(b, Node) and ops.dtype_of(a) is not None and ops.dtype_of(b) is None \
+                and isinstance(b.meta.get("val"), (torch.SymFloat, torch.SymInt)):
+            return a, b
+    return None
+
+
+def _ungroup(node: object, nodes: set[Node]) -> tuple[object, int | Node]:
     """(x, groups) for HF's repeat_kv(x, groups) (unsqueeze(2), expand, reshape) or
-    x.repeat_interleave(groups, dim=1); (node, 1) otherwise."""
+    x.repeat_interleave(groups, dim=1); (node, 1) otherwise. `groups` is the graph's own
+    argument: an int, or a node where the shapes are dynamic."""
     if ops.is_op(node, "repeat_interleave") and len(node.args) >= 2 and isinstance(node.args[1], int):
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
         if dim is not None and ops.normalize_dim(dim, len(ops.shape_of(node))) == [1]:
@@ -151,15 +163,30 @@ def _ungroup(node: object, nodes: set[Node]) -> tuple[object, int]:
             return node.args[0], node.args[1]
     if ops.is_op(node, "reshape", "view", "_unsafe_view") and ops.is_op(node.args[0], "expand"):
         expand = node.args[0]
-        unsqueeze = expand.args[0]
+        unsqueeze = _through_slices(expand.args[0])
         if ops.is_op(unsqueeze, "unsqueeze") and unsqueeze.args[1] == 2 and len(ops.shape_of(node)) == 4:
             x = unsqueeze.args[0]
-            b, h, s, e = ops.shape_of(x)
-            wide = ops.shape_of(expand)
-            if len(wide) == 5 and tuple(wide[:2]) == (b, h) and tuple(wide[3:]) == (s, e):
-                nodes |= {node, expand, unsqueeze}
-                return x, wide[2]
+            same = [str(d) for d in ops.shape_of(x)]  # sizes compared as expressions: no guards
+            wide = [str(d) for d in ops.shape_of(expand)]
+            if len(wide) == 5 and wide[:2] == same[:2] and wide[3:] == same[2:]:
+                nodes |= {node, expand, unsqueeze, *_slices_between(expand.args[0], unsqueeze)}
+                return x, expand.args[1][2]
     return node, 1
+
+
+def _through_slices(node: object) -> object:
+    """Back through full slices (`x[:, :, None, :, :]` under dynamic shapes)."""
+    while ops.is_op(node, "slice") and node.args[2:] in ((), (0, 9223372036854775807)):
+        node = node.args[0]
+    return node
+
+
+def _slices_between(node: object, source: object) -> set[Node]:
+    found = set()
+    while node is not source and ops.is_op(node, "slice"):
+        found.add(node)
+        node = node.args[0]
+    return found
 
 
 def _transposed(node: object) -> object | None:
@@ -257,7 +284,7 @@ class AttentionMatcher:
         nodes: set[Node] = set()
         k_src, k_groups = _ungroup(k, nodes)
         v_src, v_groups = _ungroup(v, nodes)
-        if k_groups != v_groups:
+        if k_groups is not v_groups and k_groups != v_groups:
             return None
         heads_k = ops.shape_of(k_src)[-3] if len(shape_k) >= 3 else 1
         groups = shape_q[-3] // heads_k if args.get("enable_gqa") and len(shape_q) >= 3 else k_groups
@@ -276,7 +303,7 @@ class AttentionMatcher:
                 the_mask, variant = _Mask("keep"), variant + ", bool mask"
             else:
                 the_mask, variant = _Mask("add"), variant + ", float mask"
-        if groups > 1:
+        if isinstance(groups, Node) or groups > 1:
             variant += ", grouped"
         region |= _owned(nodes, region)
         return Match(self.kind, node, frozenset(region), variant, roles,
@@ -324,10 +351,12 @@ class AttentionMatcher:
         if (capped := _softcap(s, nodes)) is not None:
             s, softcap = capped
             s = _through_casts(s, nodes)
-        while s is not qk and (scaled := _scalar_operand(s)) is not None:
+        symbolic: list[Node] = []  # a scale known at run time only
+        while s is not qk and (scaled := _scalar_operand(s) or _symbolic_factor(s)) is not None:
             nodes.add(s)
             s, factor = scaled
-            scale *= factor
+            symbolic += [factor] if isinstance(factor, Node) else []
+            scale *= 1.0 if isinstance(factor, Node) else factor
             s = _through_casts(s, nodes)
         if s is not qk:
             return Miss(self.kind, softmax, f"{where}: the scores reach the softmax through {ops.describe(s)} "
@@ -336,11 +365,15 @@ class AttentionMatcher:
 
         inputs: set[Node] = set()  # the inputs' casts, transposes and repeats: the site's if only it reads them
         q = _through_casts(qk.args[0], inputs)
-        while (scaled := _scalar_operand(q)) is not None and len(q.users) == 1:  # q pre-scaled
+        while (scaled := _scalar_operand(q) or _symbolic_factor(q)) is not None and len(q.users) == 1:  # q pre-scaled
             inputs.add(q)
             q, factor = scaled
-            scale *= factor
+            symbolic += [factor] if isinstance(factor, Node) else []
+            scale *= 1.0 if isinstance(factor, Node) else factor
             q = _through_casts(q, inputs)
+        if symbolic and (len(symbolic) > 1 or scale != 1.0):
+            return Miss(self.kind, softmax, f"{where}: scaled by a run-time (symbolic) value and by another "
+                        "factor, which would have to be multiplied before q; not rewritten")
         k_t = _through_casts(qk.args[1], inputs)
         k = _transposed(k_t)
         if k is None:
@@ -349,16 +382,16 @@ class AttentionMatcher:
         inputs.add(k_t)
         k, k_groups = _ungroup(_through_casts(k, inputs), inputs)
         v, v_groups = _ungroup(_through_casts(pv.args[1], inputs), inputs)
-        if k_groups != v_groups or len(ops.shape_of(k)) != len(ops.shape_of(q)):
+        if k_groups is not v_groups and k_groups != v_groups or len(ops.shape_of(k)) != len(ops.shape_of(q)):
             return None
-        roles = {"q": q, "k": k, "v": v, **roles}
+        roles = {"q": q, "k": k, "v": v, **roles, **({"scale": symbolic[0]} if symbolic else {})}
         region = nodes | _owned(inputs, nodes)
         outside = [n for n in region if n is not pv and any(u not in region for u in n.users)]
         if outside:
             return Miss(self.kind, softmax, f"{where}: {ops.describe(outside[0])} inside attention is read "
                         "outside it; not rewritten")
         variant = "eager" + (", soft-capped" if softcap else "") + (f", {mask.how} mask" if mask else "") + (
-            ", grouped" if k_groups > 1 else "")
+            ", grouped" if isinstance(k_groups, Node) or k_groups > 1 else "")
         return Match(self.kind, softmax, frozenset(region), variant, roles, recompute=("q", "k", "v"),
                      computes=_Attention(scale, k_groups, softcap, mask))
 
