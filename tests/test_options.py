@@ -62,7 +62,7 @@ def test_graph_without_sites_compiles_as_inductor_with_the_users_settings(how):
     "options,message",
     [
         ({"bogus": 1}, "unknown rla option(s) 'bogus'; valid: sites, inner, pin_rounding, debug, inductor"),
-        ({"sites": ["rmsnorm", "layernorm"]}, "unknown site(s) 'layernorm' in option 'sites'; valid: rmsnorm, residual_rmsnorm, swiglu, rope, logits"),
+        ({"sites": ["rmsnorm", "layernorm"]}, "unknown site(s) 'layernorm' in option 'sites'; valid: rmsnorm, residual_rmsnorm, swiglu, rope, logits, attention"),
         ({"inner": "eager"}, "unknown inner backend 'eager' in option 'inner'; valid: inductor, aot_eager"),
         ({"pin_rounding": "yes"}, "option 'pin_rounding' must be True, False or None"),
         ({"inductor": 3}, "option 'inductor' must be a dict"),

@@ -74,8 +74,11 @@ _SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_fo
 # -- the contract, as emitted ops -------------------------------------------------------------
 @dataclass(frozen=True)
 class _Mask:
-    """How the scores are masked: `add` (a float mask), `fill` (masked_fill(cond, value): True
-    = remove), `keep` (a bool mask, True = keep; `value` replaces the rest), `causal`."""
+    """How the scores are masked, in fp32: `add` (a float mask added), `fill`
+    (masked_fill(cond, value): True = remove), `keep` (SDPA's bool mask: True = keep, `value`
+    replaces the rest), `where` (where(cond, scores, other), or `keep_first=False`
+    where(cond, other, scores); other a scalar `value` or the role `mask_other`), `causal`
+    (keys after the query removed)."""
 
     how: str
     value: float = -math.inf
@@ -269,18 +272,17 @@ class AttentionMatcher:
         if args.get("dropout_p"):
             return Miss(self.kind, node, f"{where}: dropout_p={args['dropout_p']} drops probabilities at random; "
                         "not rewritten (the contract covers attention without dropout)")
-        output, region = node, {node}
-        if isinstance(node.meta.get("val"), (tuple, list)):  # (output, logsumexp, ...)
+        region = {node}
+        if isinstance(node.meta.get("val"), (tuple, list)):  # (output, logsumexp, ...): the output only
             outs = [u for u in node.users if ops.is_op(u, "getitem")]
-            firsts = [u for u in outs if u.args[1] == 0]
-            if len(firsts) != 1 or any(u.users for u in outs if u.args[1] != 0):
+            if len([u for u in outs if u.args[1] == 0]) != 1 or any(u.users for u in outs if u.args[1] != 0):
                 return Miss(self.kind, node, f"{where}: reads more of the fused kernel than its output "
                             "(its logsumexp, for a backward of its own); not rewritten")
-            output = firsts[0]
             region |= set(outs)
         shape_q, shape_k = ops.shape_of(q), ops.shape_of(k)
         scale = args.get("scale")
-        scale = 1.0 / math.sqrt(shape_q[-1]) if scale is None else float(scale)
+        roles = {"scale": scale} if isinstance(scale, Node) else {}  # a run-time (symbolic) scale
+        scale = 1.0 / math.sqrt(shape_q[-1]) if scale is None else 1.0 if isinstance(scale, Node) else float(scale)
         nodes: set[Node] = set()
         k_src, k_groups = _ungroup(k, nodes)
         v_src, v_groups = _ungroup(v, nodes)
@@ -288,7 +290,7 @@ class AttentionMatcher:
             return None
         heads_k = ops.shape_of(k_src)[-3] if len(shape_k) >= 3 else 1
         groups = shape_q[-3] // heads_k if args.get("enable_gqa") and len(shape_q) >= 3 else k_groups
-        roles = {"q": q, "k": k_src, "v": v_src}
+        roles.update({"q": q, "k": k_src, "v": v_src})
         op = ops.op_name(node)
         variant = "sdpa" if op == "scaled_dot_product_attention" else op.removeprefix("_scaled_dot_product_")
         the_mask = None
