@@ -159,7 +159,7 @@ def _ungroup(node: object, nodes: set[Node]) -> tuple[object, int | Node]:
     """(x, groups) for HF's repeat_kv(x, groups) (unsqueeze(2), expand, reshape) or
     x.repeat_interleave(groups, dim=1); (node, 1) otherwise. `groups` is the graph's own
     argument: an int, or a node where the shapes are dynamic."""
-    if ops.is_op(node, "repeat_interleave") and len(node.args) >= 2 and isinstance(node.args[1], int):
+    if ops.is_op(node, "repeat_interleave") and len(node.args) >= 2 and isinstance(node.args[1], int) and ops.shape_of(node):
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
         if dim is not None and ops.normalize_dim(dim, len(ops.shape_of(node))) == [1]:
             nodes.add(node)
@@ -167,7 +167,8 @@ def _ungroup(node: object, nodes: set[Node]) -> tuple[object, int | Node]:
     if ops.is_op(node, "reshape", "view", "_unsafe_view") and ops.is_op(node.args[0], "expand"):
         expand = node.args[0]
         unsqueeze = _through_slices(expand.args[0])
-        if ops.is_op(unsqueeze, "unsqueeze") and unsqueeze.args[1] == 2 and len(ops.shape_of(node)) == 4:
+        if ops.is_op(unsqueeze, "unsqueeze") and unsqueeze.args[1] == 2 and len(ops.shape_of(node) or ()) == 4 \
+                and ops.shape_of(unsqueeze.args[0]) is not None and ops.shape_of(expand) is not None:
             x = unsqueeze.args[0]
             same = [str(d) for d in ops.shape_of(x)]  # sizes compared as expressions: no guards
             wide = [str(d) for d in ops.shape_of(expand)]
@@ -280,6 +281,8 @@ class AttentionMatcher:
                             "(its logsumexp, for a backward of its own); not rewritten")
             region |= set(outs)
         shape_q, shape_k = ops.shape_of(q), ops.shape_of(k)
+        if shape_q is None or shape_k is None or len(shape_q) < 2:
+            return None
         scale = args.get("scale")
         roles = {"scale": scale} if isinstance(scale, Node) else {}  # a run-time (symbolic) scale
         scale = 1.0 / math.sqrt(shape_q[-1]) if scale is None else 1.0 if isinstance(scale, Node) else float(scale)
@@ -384,8 +387,10 @@ class AttentionMatcher:
         inputs.add(k_t)
         k, k_groups = _ungroup(_through_casts(k, inputs), inputs)
         v, v_groups = _ungroup(_through_casts(pv.args[1], inputs), inputs)
-        if k_groups is not v_groups and k_groups != v_groups or len(ops.shape_of(k)) != len(ops.shape_of(q)):
-            return None
+        shapes = [ops.shape_of(n) for n in (q, k, v)]
+        if any(shape is None or len(shape) != len(shapes[0]) for shape in shapes) or (
+                k_groups is not v_groups and k_groups != v_groups):
+            return None  # not q, k, v of one attention
         roles = {"q": q, "k": k, "v": v, **roles, **({"scale": symbolic[0]} if symbolic else {})}
         region = nodes | _owned(inputs, nodes)
         outside = [n for n in region if n is not pv and any(u not in region for u in n.users)]
