@@ -38,8 +38,9 @@ class Emitter:
         self.meta = {k: v for k, v in before.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.emitted: list[Node] = []
 
-    def call(self, target, *args, **kwargs) -> Node:
-        """`target(*args, **kwargs)` as a new node; its value computed on the fake inputs."""
+    def call(self, target, *args, name: str | None = None, **kwargs) -> Node:
+        """`target(*args, **kwargs)` as a new node (named `name` when given, made unique by
+        FX); its value computed on the fake inputs."""
         def val(a):
             return a.meta["val"] if isinstance(a, Node) else a
 
@@ -49,39 +50,39 @@ class Emitter:
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             value = target(*fake_args[0], **fake_args[1])
         with self.graph.inserting_before(self.before):
-            node = self.graph.call_function(target, tuple(args), kwargs)
+            node = self.graph.create_node("call_function", target, tuple(args), kwargs, name=name)
         node.meta.update(self.meta)
         node.meta["val"] = value
         self.emitted.append(node)
         return node
 
     # -- the few ops sites need ------------------------------------------------------------
-    def cast(self, value: Node, dtype: torch.dtype) -> Node:
+    def cast(self, value: Node, dtype: torch.dtype, name: str | None = None) -> Node:
         if self.post_grad:
-            return self.call(torch.ops.prims.convert_element_type.default, value, dtype)
-        return self.call(aten._to_copy.default, value, dtype=dtype)
+            return self.call(torch.ops.prims.convert_element_type.default, value, dtype, name=name)
+        return self.call(aten._to_copy.default, value, dtype=dtype, name=name)
 
     def fp32(self, value: Node) -> Node:
         """`value` upcast to fp32 (unchanged when it is fp32 already, or not floating)."""
         dtype = value.meta["val"].dtype
         if dtype == torch.float32 or not dtype.is_floating_point:
             return value
-        return self.cast(value, torch.float32)
+        return self.cast(value, torch.float32, f"{value.name}_fp32")
 
-    def mul(self, a: Node, b: Node | float) -> Node:
-        return self.call(aten.mul.Tensor, a, b)
+    def mul(self, a: Node, b: Node | float, name: str | None = None) -> Node:
+        return self.call(aten.mul.Tensor, a, b, name=name)
 
-    def div(self, a: Node, b: Node | float) -> Node:
-        return self.call(aten.div.Tensor, a, b)
+    def div(self, a: Node, b: Node | float, name: str | None = None) -> Node:
+        return self.call(aten.div.Tensor, a, b, name=name)
 
-    def add(self, a: Node, b: Node | float) -> Node:
-        return self.call(aten.add.Tensor, a, b)
+    def add(self, a: Node, b: Node | float, name: str | None = None) -> Node:
+        return self.call(aten.add.Tensor, a, b, name=name)
 
     def tanh(self, a: Node) -> Node:
         return self.call(aten.tanh.default, a)
 
-    def matmul(self, a: Node, b: Node) -> Node:
-        return self.call(aten.matmul.default, a, b)
+    def matmul(self, a: Node, b: Node, name: str | None = None) -> Node:
+        return self.call(aten.matmul.default, a, b, name=name)
 
     def transpose_last(self, a: Node) -> Node:
         """aᵀ over the last two dims."""
@@ -90,7 +91,7 @@ class Emitter:
     def softmax(self, a: Node, dim: int = -1, kind: str = "") -> Node:
         """fp32 softmax; `kind`: the site whose rounding reads it, tagged for `pin_rounding`
         to run it as ATen's kernel (`EAGER_KERNEL_TAG`)."""
-        node = self.call(aten._softmax.default, a, dim, False)
+        node = self.call(aten._softmax.default, a, dim, False, name="probs")
         if kind:
             node.meta["custom"] = {**(node.meta.get("custom") or {}), EAGER_KERNEL_TAG: kind}
         return node
@@ -114,7 +115,7 @@ class Emitter:
         if isinstance(groups, int) and groups == 1:
             return x
         wide = self.call(aten.expand.default, self.call(aten.unsqueeze.default, x, 2), [-1, -1, groups, -1, -1])
-        return self.call(aten.flatten.using_ints, wide, 1, 2)
+        return self.call(aten.flatten.using_ints, wide, 1, 2, name=f"{x.name}_repeated")
 
     def above_diagonal(self, rows: int, cols: int, device: torch.device) -> Node:
         """bool[rows, cols], True strictly above the diagonal: what a causal mask removes

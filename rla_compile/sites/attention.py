@@ -110,15 +110,15 @@ class _Attention:
     mask: _Mask | None = None
 
     def __call__(self, e: Emitter, roles: dict[str, Node]) -> Node:
-        q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale))  # q × scale in fp32, before q·k
+        q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale), name="q_scaled")  # in fp32, before q·k
         k = e.repeat_heads(e.fp32(roles["k"]), self.groups)
         v = e.repeat_heads(e.fp32(roles["v"]), self.groups)
-        scores = e.matmul(q, e.transpose_last(k))
+        scores = e.matmul(q, e.transpose_last(k), name="scores")
         if self.softcap is not None:
             scores = e.mul(e.tanh(e.div(scores, self.softcap)), self.softcap)
         if self.mask is not None:
             scores = self.mask.apply(e, scores, roles)
-        return e.matmul(e.softmax(scores, kind="attention"), v)  # P stays fp32
+        return e.matmul(e.softmax(scores, kind="attention"), v, name="attention")  # P stays fp32
 
 
 # -- reading the graph --------------------------------------------------------------------------
