@@ -29,6 +29,7 @@ import torch
 from torch.fx import Graph
 
 from . import ops
+from .emit import is_eager_kernel
 
 __all__ = ["reassemble"]
 
@@ -156,8 +157,8 @@ def _softmax_pieces(e):
         rounding = _rounding_of(p, ops.dtype_of(x32.args[0]), op)
         if rounding is not None:  # softmax in bf16: eager's kernel computes in fp32 and rounds once
             return torch.ops.rla.eager_softmax.default, (x32.args[0], dims[0]), {None: rounding}
-    if not any(ops.is_cast(u) and ops.is_low_precision(u) for u in p.users):
-        return None  # an fp32 softmax that no rounding reads: nothing to flip
+    if not any(ops.is_cast(u) and ops.is_low_precision(u) for u in p.users) and not is_eager_kernel(p):
+        return None  # an fp32 softmax that no rounding reads (nor a site's, further on: attention's P): nothing to flip
     return torch.ops.rla.eager_softmax.default, (x32, dims[0]), {None: p}
 
 

@@ -198,7 +198,7 @@ def _decide(plans: list[_Plan], rewriter: Rewriter) -> None:
             if (ops.is_low_precision(p) and rewriter.bypassable(p) is not None)
             or rewriter.rounded_upcast(p) is not None
         ]
-        if not lowp_inside and not rounded_inputs:
+        if not lowp_inside and not rounded_inputs and match.computes is None:  # a replaced site is recomputed
             plan.status, plan.reason = "already_aligned", "computed in fp32, rounded once"
         else:
             plan.status, plan.reason = "rewritten", _mixed_note(match)

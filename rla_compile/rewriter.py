@@ -108,6 +108,9 @@ class Rewriter:
     # -- the rewrite --------------------------------------------------------------------
     def rewrite(self, match: Match) -> None:
         """Make `match`'s region follow the contract (the module docstring's four steps)."""
+        if match.computes is not None:
+            self.replace(match)
+            return
         order = [n for n in self.graph.nodes if n in match.nodes]
         outside = {n: [u for u in n.users if u not in match.nodes] for n in order}
         dtype_before = {n: ops.dtype_of(n) for n in order}
@@ -179,6 +182,33 @@ class Rewriter:
             for user in users:
                 user.replace_input_with(node, rounded)
         return rounding
+
+    def replace(self, match: Match) -> None:
+        """A site that computes differently from the graph (`Match.computes`: attention): its
+        one output is replaced by the contract's computation, emitted before it from the roles
+        (upcast there), rounded once; the region's nodes nothing reads any more disappear."""
+        from .emit import Emitter
+
+        (output,) = [n for n in self.graph.nodes if n in match.nodes and any(u not in match.nodes for u in n.users)]
+        emitter = Emitter(self.graph, output, self.post_grad)
+        value = match.computes(emitter, match.roles)
+        dtype = ops.dtype_of(output)
+        if dtype in ops.LOW_PRECISION:
+            value = emitter.cast(value, dtype)
+            ops.tag_rounding(value, match.kind)
+        else:  # the graph's own rounding of an fp32 output: the site's one rounding
+            for user in output.users:
+                if ops.is_cast(user) and ops.is_low_precision(user):
+                    ops.tag_rounding(user, match.kind)
+        output.replace_all_uses_with(value)
+        for node in reversed([n for n in self.graph.nodes if n in match.nodes]):
+            if not node.users:
+                self.graph.erase_node(node)
+        if not self.post_grad:  # the backward recomputes these upcasts instead of saving fp32 copies
+            sources = {match.roles[role] for role in match.recompute if role in match.roles}
+            for node in emitter.emitted:
+                if ops.is_cast(node) and node.args[0] in sources:
+                    mark_recompute(node)
 
 
 def _mark_backward(match: Match, upcasts: dict[Node, Node], rounding: dict[Node, Node]) -> None:

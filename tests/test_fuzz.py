@@ -74,7 +74,7 @@ class Capture:
     """The rla backend as users call it, plus the graph before and after `align` for (c)."""
 
     def __init__(self):
-        self.rla = rla_compile.Backend(compiler="aot_eager")
+        self.rla = rla_compile.Backend(compiler="aot_eager", sites=[*rla_compile.DEFAULT_SITES, "attention"])  # opt-in
         self.graphs: list[tuple[GraphModule, GraphModule, list]] = []
 
     def __call__(self, gm, example_inputs):

@@ -97,3 +97,58 @@ return [%mul_rounded]""")
 %add_1: fp32[2, 4, 16, 32] = aten.add.Tensor(%mul_3, %mul_4)
 %add_1_rounded: bf16[2, 4, 16, 32] = aten._to_copy.default(%add_1, dtype=bf16)  # rla: round rope
 return [%add_rounded, %add_1_rounded]""")
+
+    def test_attention_eager_grouped(self):
+        self.assertExpectedInline(_after_with("attn_eager_grouped", sites=["attention"]), """\
+%arg0_1: bf16[2, 4, 16, 32] = input
+%arg1_1: bf16[2, 2, 16, 32] = input
+%arg2_1: bf16[2, 2, 16, 32] = input
+%arg3_1: bf16[2, 1, 16, 16] = input
+%arg0_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg0_1, dtype=fp32)
+%q_scaled: fp32[2, 4, 16, 32] = aten.mul.Tensor(%arg0_1_fp32, 0.1767766952966369)
+%arg1_1_fp32: fp32[2, 2, 16, 32] = aten._to_copy.default(%arg1_1, dtype=fp32)
+%unsqueeze_default: fp32[2, 2, 1, 16, 32] = aten.unsqueeze.default(%arg1_1_fp32, 2)
+%expand_default: fp32[2, 2, 2, 16, 32] = aten.expand.default(%unsqueeze_default, [-1, -1, 2, -1, -1])
+%arg1_1_fp32_repeated: fp32[2, 4, 16, 32] = aten.flatten.using_ints(%expand_default, 1, 2)
+%arg2_1_fp32: fp32[2, 2, 16, 32] = aten._to_copy.default(%arg2_1, dtype=fp32)
+%unsqueeze_default_1: fp32[2, 2, 1, 16, 32] = aten.unsqueeze.default(%arg2_1_fp32, 2)
+%expand_default_1: fp32[2, 2, 2, 16, 32] = aten.expand.default(%unsqueeze_default_1, [-1, -1, 2, -1, -1])
+%arg2_1_fp32_repeated: fp32[2, 4, 16, 32] = aten.flatten.using_ints(%expand_default_1, 1, 2)
+%transpose_int: fp32[2, 4, 32, 16] = aten.transpose.int(%arg1_1_fp32_repeated, -2, -1)
+%scores: fp32[2, 4, 16, 16] = aten.matmul.default(%q_scaled, %transpose_int)
+%arg3_1_fp32: fp32[2, 1, 16, 16] = aten._to_copy.default(%arg3_1, dtype=fp32)
+%add_tensor: fp32[2, 4, 16, 16] = aten.add.Tensor(%scores, %arg3_1_fp32)
+%probs: fp32[2, 4, 16, 16] = aten._softmax.default(%add_tensor, -1, False)
+%attention: fp32[2, 4, 16, 32] = aten.matmul.default(%probs, %arg2_1_fp32_repeated)
+%matmul_1_rounded: bf16[2, 4, 16, 32] = aten._to_copy.default(%attention, dtype=bf16)  # rla: round attention
+return [%matmul_1_rounded]""")
+
+    def test_attention_sdpa_causal(self):
+        self.assertExpectedInline(_after_with("attn_sdpa_causal_gqa", sites=["attention"]), """\
+%arg0_1: bf16[2, 4, 16, 32] = input
+%arg1_1: bf16[2, 2, 16, 32] = input
+%arg2_1: bf16[2, 2, 16, 32] = input
+%arg0_1_fp32: fp32[2, 4, 16, 32] = aten._to_copy.default(%arg0_1, dtype=fp32)
+%q_scaled: fp32[2, 4, 16, 32] = aten.mul.Tensor(%arg0_1_fp32, 0.1)
+%arg1_1_fp32: fp32[2, 2, 16, 32] = aten._to_copy.default(%arg1_1, dtype=fp32)
+%unsqueeze_default: fp32[2, 2, 1, 16, 32] = aten.unsqueeze.default(%arg1_1_fp32, 2)
+%expand_default: fp32[2, 2, 2, 16, 32] = aten.expand.default(%unsqueeze_default, [-1, -1, 2, -1, -1])
+%arg1_1_fp32_repeated: fp32[2, 4, 16, 32] = aten.flatten.using_ints(%expand_default, 1, 2)
+%arg2_1_fp32: fp32[2, 2, 16, 32] = aten._to_copy.default(%arg2_1, dtype=fp32)
+%unsqueeze_default_1: fp32[2, 2, 1, 16, 32] = aten.unsqueeze.default(%arg2_1_fp32, 2)
+%expand_default_1: fp32[2, 2, 2, 16, 32] = aten.expand.default(%unsqueeze_default_1, [-1, -1, 2, -1, -1])
+%arg2_1_fp32_repeated: fp32[2, 4, 16, 32] = aten.flatten.using_ints(%expand_default_1, 1, 2)
+%transpose_int: fp32[2, 4, 32, 16] = aten.transpose.int(%arg1_1_fp32_repeated, -2, -1)
+%scores: fp32[2, 4, 16, 16] = aten.matmul.default(%q_scaled, %transpose_int)
+%ones_default: bool[16, 16] = aten.ones.default([16, 16], dtype=bool, device=device)
+%triu_default: bool[16, 16] = aten.triu.default(%ones_default, 1)
+%masked_fill_scalar: fp32[2, 4, 16, 16] = aten.masked_fill.Scalar(%scores, %triu_default, -inf)
+%probs: fp32[2, 4, 16, 16] = aten._softmax.default(%masked_fill_scalar, -1, False)
+%attention: fp32[2, 4, 16, 32] = aten.matmul.default(%probs, %arg2_1_fp32_repeated)
+%scaled_dot_product_attention_rounded: bf16[2, 4, 16, 32] = aten._to_copy.default(%attention, dtype=bf16)  # rla: round attention
+return [%scaled_dot_product_attention_rounded]""")
+
+
+def _after_with(name: str, **options) -> str:
+    case = BY_NAME[name]
+    return rla_compile.align_function(case.fn, *case.inputs(torch.bfloat16), **options).after

@@ -12,7 +12,7 @@ import contract_reference as ref
 import rla_compile
 from rla_compile.tiny import tiny_causal_lm
 
-ALL = list(rla_compile.SITE_KINDS)
+ALL = [*rla_compile.DEFAULT_SITES, "logits"]  # attention, opt-in too, has tests of its own (test_attention.py)
 
 
 def _ids(vocab: int, seed: int = 0) -> torch.Tensor:

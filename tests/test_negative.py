@@ -298,3 +298,99 @@ def test_rope_tables_from_rounded_frequencies_are_noted():
         notes.append([s.reason for s in backend.reports[0].sites if s.kind == "rope"])
     assert len(notes[0]) == 4 and not any("inv_freq" in r for r in notes[0]), notes[0]
     assert len(notes[1]) == 4 and all("model.to(torch.bfloat16) rounded the fp32 inv_freq" in r for r in notes[1]), notes[1]
+
+
+# -- attention (opt-in) --------------------------------------------------------------------------
+Q, K, V = (torch.randn(2, 4, 16, 32).bfloat16() for _ in range(3))
+H = torch.randn(2, 16, 64).bfloat16()
+VOCAB = torch.randn(96, 64).bfloat16()
+ATTENTION = [*rla_compile.DEFAULT_SITES, "attention"]
+
+
+def sampling_probabilities(h, w):  # softmax over logits: a matmul before it, none after
+    return torch.softmax(F.linear(h, w).float() / 0.7, dim=-1)
+
+
+def softmax_weighting_inputs(x, v):  # softmax(x) @ v with no q·kᵀ behind x
+    return torch.softmax(x.float(), dim=-1).to(x.dtype) @ v
+
+
+def matmuls_without_softmax(q, k, v):
+    return (q @ k.transpose(-2, -1)) @ v
+
+
+@pytest.mark.parametrize("fn,args", [(sampling_probabilities, (H, VOCAB)), (softmax_weighting_inputs, (Q[..., :16], V)),
+                                     (matmuls_without_softmax, (Q, K, V))], ids=lambda f: getattr(f, "__name__", ""))
+def test_attention_lookalike_is_left_alone(fn, args):
+    result = rla_compile.align_function(fn, *args, sites=ATTENTION)
+    assert result.report.count("attention") == 0, str(result.report)
+    assert not [m for m in result.report.near_misses if m.kind == "attention"], str(result.report)
+
+
+def sdpa_with_dropout(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+
+def eager_with_dropout(q, k, v):
+    p = torch.softmax((q @ k.transpose(-2, -1)) * 0.125, dim=-1)
+    return F.dropout(p, p=0.1, training=True) @ v
+
+
+def weights_returned(q, k, v):  # HF's output_attentions: the probabilities leave the site
+    p = torch.softmax((q @ k.transpose(-2, -1)) * 0.125, dim=-1)
+    return p @ v, p
+
+
+ATTENTION_NEAR_MISSES = [
+    (sdpa_with_dropout, "dropout_p=0.1"),
+    (eager_with_dropout, "dropout(p=0.1)"),
+    (weights_returned, "read outside the site"),
+]
+
+
+@pytest.mark.parametrize("fn,reason", ATTENTION_NEAR_MISSES, ids=[f.__name__ for f, _ in ATTENTION_NEAR_MISSES])
+def test_attention_near_miss_is_reported_not_rewritten(fn, reason):
+    torch.manual_seed(0)
+    result = rla_compile.align_function(fn, Q, K, V, sites=ATTENTION)
+    assert result.report.count("attention") == 0, str(result.report)
+    misses = [m for m in result.report.near_misses if m.kind == "attention"]
+    assert len(misses) == 1 and reason in misses[0].reason, str(result.report)
+    assert result.after == result.before
+
+
+def test_attention_near_misses_only_when_asked_for():
+    result = rla_compile.align_function(sdpa_with_dropout, Q, K, V)
+    assert result.report.near_misses == []
+
+
+def test_flex_attention_is_a_near_miss_with_the_reason():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def soft_capped(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / 50.0) * 50.0
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def flex(q, k, v, block_mask):
+        return flex_attention(q, k, v, score_mod=soft_capped, block_mask=block_mask)
+
+    # the block mask made outside: built inside the graph, its vmap does not re-trace (pre-dispatch)
+    block_mask = create_block_mask(causal, None, None, 16, 16, device="cpu")
+    result = rla_compile.align_function(flex, Q, K, V, block_mask, sites=ATTENTION)
+    (miss,) = [m for m in result.report.near_misses if m.kind == "attention"]
+    assert "flex_attention is not rewritten" in miss.reason and "score_mod" in miss.reason
+    assert result.report.count("attention") == 0
+
+
+def test_causal_sdpa_with_dynamic_lengths_is_a_near_miss():
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    backend = rla_compile.Backend(compiler="aot_eager", sites=ATTENTION)
+    torch._dynamo.reset()
+    torch.compile(causal, backend=backend, dynamic=True)(Q, K, V)
+    torch._dynamo.reset()
+    (report,) = backend.reports
+    assert report.count("attention") == 0
+    assert ["is_causal with dynamic sequence lengths" in m.reason for m in report.near_misses if m.kind == "attention"] == [True]

@@ -62,7 +62,7 @@ def test_graph_without_sites_compiles_as_inductor_with_the_users_settings(how):
     "options,message",
     [
         ({"bogus": 1}, "unknown rla option(s) 'bogus'; valid: sites, compiler, pin_rounding, debug, inductor"),
-        ({"sites": ["rmsnorm", "layernorm"]}, "unknown site(s) 'layernorm' in option 'sites'; valid: rmsnorm, residual_rmsnorm, swiglu, rope, logits"),
+        ({"sites": ["rmsnorm", "layernorm"]}, "unknown site(s) 'layernorm' in option 'sites'; valid: rmsnorm, residual_rmsnorm, swiglu, rope, logits, attention"),
         ({"compiler": "eager"}, "unknown compiler 'eager' in option 'compiler'; valid: inductor, aot_eager"),
         ({"inner": "aot_eager"}, "option 'inner' is now 'compiler' (the compiler rla hands the aligned graph to): compiler='aot_eager'"),
         ({"pin_rounding": "yes"}, "option 'pin_rounding' must be True, False or None"),

@@ -28,6 +28,11 @@ from rla_compile.mismatch.metrics import ulp_distance
 from site_cases import CASES, POST_NORM, Case
 
 DTYPES = [torch.bfloat16, torch.float16]
+# Pinned, attention's gradients are neither reference's: the backward reads the probabilities
+# P computed by ATen's softmax (pinned like the forward's rounding) and computes the softmax's
+# backward sum(dP * P) with Inductor's reduction order. Bounded below like unpinned Inductor's:
+# at most 1 ulp on at most 1% of elements (measured: 2 of 4096 elements, fp16 only).
+_MIXED_PINNED_GRADIENTS = {"attention"}
 
 
 def _outputs(result):
@@ -75,7 +80,8 @@ def test_site_follows_contract(case: Case, dtype, pin, inner):
         # Inductor's own fp32 math like the gradients do
         outputs = len([t for t in got[: len(got) - len(case.grads)] if t.dtype == dtype])
         assert _mismatches(got[:outputs], eager_ref[:outputs]) == [0] * outputs
-        assert [min(pair) for pair in zip(_mismatches(got, compiled_ref), _mismatches(got, eager_ref))] == [0] * len(got)
+        checked = len(got) if case.kind not in _MIXED_PINNED_GRADIENTS else outputs
+        assert [min(pair) for pair in zip(_mismatches(got, compiled_ref), _mismatches(got, eager_ref))][:checked] == [0] * checked
     else:
         assert _mismatches(got, compiled_ref) == [0] * len(got)
     for a, b in zip(got, eager_ref):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
-from . import logits, residual_rmsnorm, rmsnorm, rope, swiglu
+from . import attention, logits, residual_rmsnorm, rmsnorm, rope, swiglu
 from .base import Match, Miss, Site, SiteMatcher
 from .opaque import OpaqueNormMatcher
 
@@ -23,6 +23,7 @@ SITES: tuple[Site, ...] = (
     swiglu.SITE,
     rope.SITE,
     logits.SITE,
+    attention.SITE,
 )
 
 MATCHERS: tuple[SiteMatcher, ...] = ()

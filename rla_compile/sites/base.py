@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +23,10 @@ class Match:
     `save`: roles whose output rounding the backward reads saved instead of recomputing it (the
     residual stream); see `rewriter.mark_save`.
     `note`: what the report adds to the site's status, whatever it is.
+    `computes`: for a site whose contract computes differently from the graph (attention), a
+    callable `(emitter, roles) -> fp32 value` that emits the contract's computation from the
+    roles with an `emit.Emitter`; the engine replaces the region by it, rounded once
+    (`rewriter.Rewriter.replace`). None: the region's own ops, re-typed to fp32.
     """
 
     kind: str
@@ -34,6 +38,7 @@ class Match:
     recompute: tuple[str, ...] = ()
     save: tuple[str, ...] = ()
     note: str = ""  # said in the report with the site's status (e.g. where RoPE's tables came from)
+    computes: Callable[..., Node] | None = None
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,6 +7,8 @@ graphs against these, bit for bit.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -73,6 +75,28 @@ def logits(h, weight, bias=None, softcap=None):
     if softcap is not None:
         y = torch.tanh(y / softcap) * softcap
     return y
+
+
+def attention(q, k, v, mask=None, scale=None, causal=False, softcap=None, groups=1, fill=-math.inf):
+    """Attention from fp32 q, k, v, rounded once: q × scale first (1/sqrt(E) by default), scores
+    q·kᵀ, soft-cap tanh(s / c) * c, the mask (float: added; bool: True keeps, the rest `fill`;
+    `causal`: keys after the query removed), softmax, P · v; grouped k/v heads repeated in fp32."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    qf = q.to(torch.float32) * scale
+    kf, vf = (t.to(torch.float32) for t in (k, v))
+    if groups > 1:
+        kf, vf = (t.repeat_interleave(groups, dim=1) for t in (kf, vf))
+    scores = qf @ kf.transpose(-2, -1)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        rows, cols = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool).triu(1), -math.inf)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, fill)
+    elif mask is not None:
+        scores = scores + mask.to(torch.float32)
+    return (torch.softmax(scores, dim=-1) @ vf).to(q.dtype)
 
 
 def within_one_ulp(got, reference):

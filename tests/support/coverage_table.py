@@ -21,7 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import rla_compile  # noqa: E402
-from rla_compile.sites import SITE_KINDS  # noqa: E402
+from rla_compile.sites import DEFAULT_SITES  # noqa: E402
+
+# The table's columns: the default sites and the opt-in logits site (attention, opt-in too, has its
+# own model tests: tests/test_attention.py).
+SITE_KINDS = (*DEFAULT_SITES, "logits")
 from zoo import Entry, entries, tokens  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "coverage.md"

@@ -451,6 +451,46 @@ class _Builder:
             self.site("rope", aligned, note)
         self.last_add = False
 
+    def attention(self) -> None:
+        """Self-attention over the stream: q from h, k and v projected (one shared k/v head
+        for two query heads: grouped), spelled as HF's eager chain or SDPA."""
+        d0, d1, D = self.shape
+        H, hd = self.heads, self.head_dim
+        kv = self.pick([H, 1]) if H > 1 else 1
+        style = self.pick(["eager", "eager_bf16_softmax", "q_scaled", "div", "sdpa"])
+        causal = self.pick([False, True])
+        softcap = self.pick([None, 30.0]) if style.startswith("eager") else None
+        wk, wv = (self.input("matrix", (D, kv * hd), self.dtype, w) for w in ("wk", "wv"))
+        self.both(f"q = h.reshape({d0}, {d1}, {H}, {hd}).transpose(1, 2)",
+                  f"k = (h @ {wk}).reshape({d0}, {d1}, {kv}, {hd}).transpose(1, 2)",
+                  f"v = (h @ {wv}).reshape({d0}, {d1}, {kv}, {hd}).transpose(1, 2)")
+        root = math.sqrt(hd)
+        scale = 1.0 / root if style == "div" else hd**-0.5
+        if style == "sdpa":
+            model = [f"o = F.scaled_dot_product_attention(q, k, v, is_causal={causal}, enable_gqa={kv != H})"]
+        else:
+            model = [f"k = k[:, :, None].expand({d0}, {kv}, {H // kv}, {d1}, {hd}).reshape({d0}, {H}, {d1}, {hd})",
+                     f"v = v[:, :, None].expand({d0}, {kv}, {H // kv}, {d1}, {hd}).reshape({d0}, {H}, {d1}, {hd})"]
+            if style == "q_scaled":
+                model.append(f"s = (q * {scale!r}) @ k.transpose(-2, -1)")
+            elif style == "div":
+                model.append(f"s = q @ k.transpose(-2, -1) / {root!r}")
+            else:
+                model.append(f"s = torch.matmul(q, k.transpose(2, 3)) * {scale!r}")
+            if softcap is not None:
+                model.append(f"s = torch.tanh(s / {softcap}) * {softcap}")
+            if causal:
+                model.append(f"s = s.masked_fill(~torch.ones({d1}, {d1}, dtype=torch.bool).tril(), float('-inf'))")
+            model.append("p = torch.softmax(s, dim=-1)" if style == "eager_bf16_softmax"
+                         else "p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)")
+            model.append("o = p @ v")
+        scale = None if style == "sdpa" else scale  # SDPA's default: 1 / math.sqrt(E), as the reference's
+        reference = [f"o = ref.attention(q, k, v, scale={scale!r}, causal={causal}, softcap={softcap}, groups={H // kv})"]
+        self.fork(model, reference if self.low else model)
+        self.both(f"h = o.transpose(1, 2).reshape({d0}, {d1}, {D})")
+        self.site("attention", False, f"style={style} causal={causal} softcap={softcap} kv_heads={kv}/{H}")
+        self.last_add = False
+
     # -- look-alikes: rewritten by nothing, reported (kind) or ignored (None) ------------
     def lookalike(self) -> None:
         d0, d1, D = self.shape
@@ -505,7 +545,7 @@ def build(pick: Pick, blocks: int | None = None, lookalikes: bool = True) -> Pro
     dtype = pick([torch.bfloat16, torch.bfloat16, torch.float16, torch.float16, torch.float32])
     heads, head_dim = pick([1, 2]), pick([4, 8, 12, 16])
     b = _Builder(pick, dtype, pick([1, 2, 3]), pick([3, 5, 8]), heads, head_dim)
-    kinds = ["op", "rmsnorm", "residual_rmsnorm", "swiglu", "rope"] + (["lookalike"] * 2 if lookalikes else [])
+    kinds = ["op", "rmsnorm", "residual_rmsnorm", "swiglu", "rope", "attention"] + (["lookalike"] * 2 if lookalikes else [])
     for _ in range(blocks if blocks is not None else pick([1, 2, 3, 4])):
         kind = pick(kinds)
         if kind == "op":

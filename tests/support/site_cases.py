@@ -512,3 +512,99 @@ CASES += [
     Case("rope_matrix_fp32_table", "rope", rope_matrix_fp32_table, _q_inv_freq_positions,
          rope_matrix_fp32_table_reference, grads=(0,)),
 ]
+
+
+# -- attention (opt-in) ---------------------------------------------------------------------------
+KV_HEADS = 2
+SCALE = HEAD_DIM**-0.5  # not a power of two: where it is applied changes the bits
+
+
+def _causal_keep():
+    return torch.ones(T, T, dtype=torch.bool).tril()
+
+
+def _q_k_v(dtype, kv_heads=HEADS):
+    return (torch.randn(2, HEADS, T, HEAD_DIM).to(dtype), torch.randn(2, kv_heads, T, HEAD_DIM).to(dtype),
+            torch.randn(2, kv_heads, T, HEAD_DIM).to(dtype))
+
+
+def _q_k_v_mask(dtype, kv_heads=HEADS):  # HF's additive causal mask: 0 or the dtype's min
+    mask = torch.zeros(T, T).masked_fill(~_causal_keep(), torch.finfo(dtype).min).to(dtype)
+    return (*_q_k_v(dtype, kv_heads), mask[None, None].expand(2, 1, T, T).contiguous())
+
+
+def _q_k_v_bool(dtype):
+    keep = _causal_keep() | (torch.rand(T, T) < 0.3)  # causal plus a few extra keys: every row keeps one
+    return (*_q_k_v(dtype), keep[None, None].expand(2, 1, T, T).contiguous())
+
+
+def _repeat_kv(x, groups):  # HF's repeat_kv
+    b, h, s, e = x.shape
+    return x[:, :, None, :, :].expand(b, h, groups, s, e).reshape(b, h * groups, s, e)
+
+
+def attn_eager(q, k, v, mask, softcap=None):  # HF eager_attention_forward
+    k, v = _repeat_kv(k, q.shape[1] // k.shape[1]), _repeat_kv(v, q.shape[1] // v.shape[1])
+    scores = torch.matmul(q, k.transpose(2, 3)) * SCALE
+    if softcap is not None:  # Gemma 2
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    p = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    p = F.dropout(p, p=0.0, training=False)
+    return torch.matmul(p, v)
+
+
+def attn_softcapped(q, k, v, mask):
+    return attn_eager(q, k, v, mask, softcap=50.0)
+
+
+def attn_where(q, k, v, keep):  # a boolean mask applied with where, the dtype's min as the fill
+    scores = (q @ k.transpose(-2, -1)) / HEAD_DIM**0.5
+    scores = torch.where(keep, scores, torch.finfo(q.dtype).min)
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def attn_masked_fill(q, k, v, keep):
+    scores = (q @ k.transpose(-2, -1)) * SCALE
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def attn_q_scaled(q, k, v):  # q scaled before q·kᵀ, softmax in the activation dtype
+    return torch.softmax((q * SCALE) @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def attn_sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attn_sdpa_causal_gqa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.1)
+
+
+def attn_flash_cpu(q, k, v):  # the ATen op SDPA lowers to on CPU, called directly
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+
+
+def attn_math(q, k, v, mask):  # SDPA's math path
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask)[0]
+
+
+_QKV = (0, 1, 2)
+CASES += [
+    Case("attn_eager", "attention", attn_eager, _q_k_v_mask, ref.attention, grads=_QKV),
+    Case("attn_eager_grouped", "attention", attn_eager, lambda d: _q_k_v_mask(d, KV_HEADS),
+         lambda q, k, v, m: ref.attention(q, k, v, m, groups=HEADS // KV_HEADS), grads=_QKV),
+    Case("attn_softcapped", "attention", attn_softcapped, _q_k_v_mask,
+         lambda q, k, v, m: ref.attention(q, k, v, m, softcap=50.0), grads=_QKV),
+    Case("attn_where", "attention", attn_where, _q_k_v_bool,
+         lambda q, k, v, m: ref.attention(q, k, v, m, fill=torch.finfo(q.dtype).min), grads=_QKV),
+    Case("attn_masked_fill", "attention", attn_masked_fill, _q_k_v_bool, ref.attention, grads=_QKV),
+    Case("attn_q_scaled", "attention", attn_q_scaled, _q_k_v, ref.attention, grads=_QKV),
+    Case("attn_sdpa", "attention", attn_sdpa, _q_k_v_mask, ref.attention, grads=_QKV),
+    Case("attn_sdpa_bool", "attention", attn_sdpa, _q_k_v_bool, ref.attention, grads=_QKV),
+    Case("attn_sdpa_causal_gqa", "attention", attn_sdpa_causal_gqa, lambda d: _q_k_v(d, KV_HEADS),
+         lambda q, k, v: ref.attention(q, k, v, scale=0.1, causal=True, groups=HEADS // KV_HEADS), grads=_QKV),
+    Case("attn_flash_cpu", "attention", attn_flash_cpu, _q_k_v, lambda q, k, v: ref.attention(q, k, v, causal=True),
+         grads=_QKV),
+    Case("attn_math", "attention", attn_math, _q_k_v_mask, ref.attention, grads=_QKV),
+]

