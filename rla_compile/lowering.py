@@ -15,6 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
 from . import eager_kernels, ops
+from . import sites as registry
 from .config import Options
 from .ops import is_site_rounding
 
@@ -92,13 +93,14 @@ def _upcasts_of(rounding) -> list:
     return found
 
 
-# Ops Inductor runs as kernels of their own (extern GEMMs and attention on CPU; on CUDA a GEMM
-# template may fuse an epilogue, never a prologue holding another kernel's store).
-_KERNEL_BOUNDARIES = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm", "convolution",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-})
+# Ops Inductor runs as kernels of their own (extern GEMMs on CPU; on CUDA a GEMM template may
+# fuse an epilogue, never a prologue holding another kernel's store); sites add theirs
+# (`Site.kernel_boundaries`: attention's fused kernels).
+_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_int_mm", "_scaled_mm", "convolution"})
+
+
+def kernel_boundaries() -> frozenset[str]:
+    return _GEMMS | {op for site in registry.SITES for op in site.kernel_boundaries}
 
 
 def _kernel_apart(rounding, upcast, position: dict) -> bool:
@@ -125,7 +127,8 @@ def _kernel_apart(rounding, upcast, position: dict) -> bool:
             if user not in downstream and position.get(user, end) < end:
                 downstream.add(user)
                 stack.append(user)
-    boundaries = {n for n in downstream if ops.op_name(n) in _KERNEL_BOUNDARIES}
+    names = kernel_boundaries()
+    boundaries = {n for n in downstream if ops.op_name(n) in names}
     if not boundaries:
         return False
     seen, stack = set(), [n for n in reader.all_input_nodes if n is not upcast]

@@ -42,7 +42,8 @@ def test_demo_shows_sites_and_the_mismatch_table():
     # progress for the slow steps, on stderr (as `rla-compile mismatch`): stdout has the results only
     assert "... scoring with hf-inductor:train" in done.stderr and "done in" in done.stderr
     assert "... " not in out and "done in" not in out
-    labels = ("rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits")
+    labels = ("rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits",
+              "rla on both + attention", "rla on both + logits + attention")
     rows = {}
     for line in out.splitlines():
         found = [label for label in labels if line.startswith(label + " ")]

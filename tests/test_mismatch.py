@@ -220,7 +220,7 @@ def test_localise_finds_the_first_divergence_at_a_site(sequences):
     assert same.unchanged == {"hf-eager": True, "hf-aot_eager": True}  # recording changed neither run
     # eager ATen recomputing projections, attention, logits and logprobs from the recorded inputs
     replayed = [p for p in same.points if p.a_replay is not None]
-    assert {p.kind for p in replayed} == {"matmul", "attention", "head", "logprobs"}
+    assert {p.kind for p in replayed} == {"matmul", "attn", "head", "logprobs"}
     assert all(p.a_replay == p.b_replay == 0 for p in replayed)
     aligned = localise(Stack.parse("hf-aot_eager"), Stack.parse("hf-aot_eager+rla"), sequences, check_unchanged=False)
     first = aligned.first_divergence

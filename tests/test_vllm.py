@@ -307,4 +307,4 @@ def test_localise_across_hf_and_vllm():
     assert first is not None and all(p.equal for p in result.points[:result.points.index(first)])
     assert result.points[-1].kind == "logprobs" and not result.points[-1].equal
     assert "<- first" in result.table().splitlines()[2 + result.points.index(first)]
-    assert all(p.b_replay is not None for p in result.points if p.kind in ("matmul", "attention", "head", "logprobs"))
+    assert all(p.b_replay is not None for p in result.points if p.kind in ("matmul", "attn", "head", "logprobs"))

@@ -6,7 +6,7 @@ of elements that differ, in execution order, the first divergence first.
 Points recorded per decoder layer, in execution order: the output of the two RMSNorms on the
 residual stream ("norm"; not the per-head q/k norms, see UNRECORDED), the query and value
 projections' outputs ("matmul"), the query and key after RoPE ("rotary"), attention's
-output before o_proj ("attention": not a site), o_proj's output ("matmul"), the input of the
+output before o_proj ("attn"), o_proj's output ("matmul"), the input of the
 MLP's down projection ("activation": the gated activation) and the MLP's output ("matmul"; not
 the layer's output, see UNRECORDED); then the final norm, the logits ("lm_head", kind "head") and the
 fp32 logprobs at positions 0..T-2 (those that predict a token of the sequence).
@@ -114,7 +114,7 @@ def _recording(model, record: list):
             handles.append(module.register_forward_hook(keep(f"{name} (output)", "matmul")))
         elif name.endswith("self_attn.o_proj"):
             handles.append(module.register_forward_pre_hook(
-                lambda module, args, name=name: record.append((f"{name} (input)", "attention", args[0]))))
+                lambda module, args, name=name: record.append((f"{name} (input)", "attn", args[0]))))
         elif name.endswith("self_attn") or name.endswith(".mlp"):
             handles.append(module.register_forward_hook(keep(name, "matmul")))
     for layer in layers:

@@ -71,7 +71,7 @@ def _hook(model, record: list) -> None:
             attn.rotary_emb.register_forward_hook(
                 lambda module, args, out: record.extend([("rope (query)", "rotary", heads(out[0], module.head_size)),
                                                          ("rope (key)", "rotary", heads(out[1], module.head_size))]))
-        attn.o_proj.register_forward_pre_hook(keep_input(f"{p}.self_attn.o_proj (input)", "attention"))
+        attn.o_proj.register_forward_pre_hook(keep_input(f"{p}.self_attn.o_proj (input)", "attn"))
         attn.register_forward_hook(keep(f"{p}.self_attn", "matmul"))
         layer.post_attention_layernorm.register_forward_hook(keep(f"{p}.post_attention_layernorm", "norm"))
         layer.mlp.down_proj.register_forward_pre_hook(keep_input(f"{p}.mlp.down_proj (input)", "activation"))
