@@ -265,7 +265,7 @@ def main(argv=None) -> list[dict]:
     if args.worker:
         print(json.dumps(worker(args.worker, args.steps, args.seeds[0])))
         return []
-    from common import write
+    from .common import write
 
     if args.report:
         results = [r for path in args.report for r in json.loads(Path(path).read_text())["results"]]
