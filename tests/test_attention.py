@@ -20,12 +20,13 @@ import rla_compile
 transformers = pytest.importorskip("transformers")
 from rla_compile.tiny import tiny_causal_lm  # noqa: E402
 
-FAMILIES = ["llama", "qwen3", "gemma2"]
+FAMILIES = ["llama", "qwen3", "gemma2", "olmo"]  # OLMo: q and k rounded from fp32 RoPE just before attention
 IMPLEMENTATIONS = ["eager", "sdpa"]
 VARIANTS = {
     ("llama", "eager"): {"eager, add mask, grouped"},
     ("qwen3", "eager"): {"eager, add mask, grouped"},
     ("gemma2", "eager"): {"eager, soft-capped, add mask, grouped"},
+    ("olmo", "eager"): {"eager, add mask, grouped"},
     **{(family, "sdpa"): {"sdpa, bool mask, grouped"} for family in FAMILIES},  # HF's sdpa ignores soft-capping
 }
 

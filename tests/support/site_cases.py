@@ -589,6 +589,15 @@ def attn_math(q, k, v, mask):  # SDPA's math path
     return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask)[0]
 
 
+def attn_rounded_inputs(q, k, v):  # q and k computed in fp32 and rounded before it (OLMo's, Cohere's RoPE)
+    q, k = (q.float() * 1.5).to(q.dtype), (k.float() * 1.5).to(k.dtype)
+    return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * SCALE, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def attn_rounded_inputs_reference(q, k, v):  # the site reads the rounded q and k: that rounding is not its own
+    return ref.attention((q.float() * 1.5).to(q.dtype), (k.float() * 1.5).to(k.dtype), v)
+
+
 _QKV = (0, 1, 2)
 CASES += [
     Case("attn_eager", "attention", attn_eager, _q_k_v_mask, ref.attention, grads=_QKV),
@@ -607,4 +616,5 @@ CASES += [
     Case("attn_flash_cpu", "attention", attn_flash_cpu, _q_k_v, lambda q, k, v: ref.attention(q, k, v, causal=True),
          grads=_QKV),
     Case("attn_math", "attention", attn_math, _q_k_v_mask, ref.attention, grads=_QKV),
+    Case("attn_rounded_inputs", "attention", attn_rounded_inputs, _q_k_v, attn_rounded_inputs_reference, grads=_QKV),
 ]
