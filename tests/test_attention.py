@@ -43,8 +43,8 @@ def contract_attention(module, query, key, value, attention_mask, scaling=None, 
     elif kwargs.get("sliding_window"):  # HF hands a function of its own no mask, and the window
         rows, cols = torch.arange(query.shape[2])[:, None], torch.arange(key.shape[2])[None, :]
         mask = (cols <= rows) & (rows - cols < kwargs["sliding_window"])
-    else:
-        causal = query.shape[2] > 1
+    else:  # no mask: causal unless the module says it is not (an encoder's)
+        causal = query.shape[2] > 1 and getattr(module, "is_causal", True)
     out = ref.attention(query, key, value, mask=mask, scale=scaling, causal=causal, softcap=softcap, groups=groups)
     return out.transpose(1, 2).contiguous(), None
 
