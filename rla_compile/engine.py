@@ -16,6 +16,9 @@ Every site, whatever its kind, is rewritten the same way (contract.md):
    The logits site is the exception (`Match.rounds_outputs=False`): its outputs leave in fp32,
    an fp32 upcast of them disappears, and a graph output of them becomes fp32.
 
+A site whose contract computes differently from the graph (attention: `Match.computes`) is
+not re-typed but replaced: its output by the computation the matcher emits, rounded once.
+
 The rewrite keeps the dtypes the rest of the graph sees, so nothing outside the sites changes
 (except cos/sin chains that only fed sites, and the logits when that site is selected). It
 runs on pre-dispatch ATen (the `rla` backend, before autograd) and on Inductor's post-grad

@@ -20,12 +20,13 @@ import rla_compile
 transformers = pytest.importorskip("transformers")
 from rla_compile.tiny import tiny_causal_lm  # noqa: E402
 
-FAMILIES = ["llama", "qwen3", "gemma2"]
+FAMILIES = ["llama", "qwen3", "gemma2", "olmo"]  # OLMo: q and k rounded from fp32 RoPE just before attention
 IMPLEMENTATIONS = ["eager", "sdpa"]
 VARIANTS = {
     ("llama", "eager"): {"eager, add mask, grouped"},
     ("qwen3", "eager"): {"eager, add mask, grouped"},
     ("gemma2", "eager"): {"eager, soft-capped, add mask, grouped"},
+    ("olmo", "eager"): {"eager, add mask, grouped"},
     **{(family, "sdpa"): {"sdpa, bool mask, grouped"} for family in FAMILIES},  # HF's sdpa ignores soft-capping
 }
 
@@ -42,8 +43,8 @@ def contract_attention(module, query, key, value, attention_mask, scaling=None, 
     elif kwargs.get("sliding_window"):  # HF hands a function of its own no mask, and the window
         rows, cols = torch.arange(query.shape[2])[:, None], torch.arange(key.shape[2])[None, :]
         mask = (cols <= rows) & (rows - cols < kwargs["sliding_window"])
-    else:
-        causal = query.shape[2] > 1
+    else:  # no mask: causal unless the module says it is not (an encoder's)
+        causal = query.shape[2] > 1 and getattr(module, "is_causal", True)
     out = ref.attention(query, key, value, mask=mask, scale=scaling, causal=causal, softcap=softcap, groups=groups)
     return out.transpose(1, 2).contiguous(), None
 

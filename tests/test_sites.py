@@ -25,7 +25,7 @@ from torch._inductor import config as inductor_config
 
 import rla_compile
 from rla_compile.mismatch.metrics import ulp_distance
-from site_cases import CASES, POST_NORM, Case
+from site_cases import CASES, POST_NORM, ROUNDED_INPUTS, Case
 
 DTYPES = [torch.bfloat16, torch.float16]
 # Pinned, attention's gradients are neither reference's: the backward reads the probabilities
@@ -222,3 +222,18 @@ def test_rotation_matrix_table_gradients_on_eager_kernels():
     got = _run(case.fn, case, torch.bfloat16, backend)
     assert backend.reports[0].count("rope", "rewritten") == 1
     assert _mismatches(got, _run(case.reference, case, torch.bfloat16)) == [0] * len(got)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_attention_reads_inputs_rounded_before_it(inner):
+    """q and k rounded from fp32 just before attention (OLMo's, Cohere's RoPE): the site reads
+    the rounded values. On eager kernels outputs and gradients equal the reference; pinned
+    Inductor keeps that rounding (emulate_precision_casts) and the output equals it too.
+    Unpinned, Inductor drops a rounding that is no site's where it fuses: not the contract's."""
+    case = ROUNDED_INPUTS
+    backend = rla_compile.Backend(compiler=inner, pin_rounding=True, sites=["attention"])
+    got = _run(case.fn, case, torch.bfloat16, backend, emulate=True)
+    assert backend.reports[0].count("attention", "rewritten") == 1
+    want = _run(case.reference, case, torch.bfloat16)
+    checked = len(got) if inner == "aot_eager" else 1
+    assert _mismatches(got, want)[:checked] == [0] * checked

@@ -130,6 +130,15 @@ def _through_casts(node: object, nodes: set[Node]) -> object:
     return node
 
 
+def _widened(node: object, nodes: set[Node]) -> object:
+    """Back through exact upcasts only: an input's rounding (RoPE's `q_embed.to(bf16)`) is the
+    code before the site's, and the site reads the rounded value."""
+    while ops.widens(node):
+        nodes.add(node)
+        node = node.args[0]
+    return node
+
+
 def _scalar_operand(node: Node) -> tuple[Node, float] | None:
     """mul/div of a tensor by a Python scalar: (tensor, factor), division as 1/c."""
     if not ops.is_op(node, "mul", "div") or len(node.args) != 2:
@@ -369,24 +378,24 @@ class AttentionMatcher:
         nodes.add(qk)
 
         inputs: set[Node] = set()  # the inputs' casts, transposes and repeats: the site's if only it reads them
-        q = _through_casts(qk.args[0], inputs)
+        q = _widened(qk.args[0], inputs)
         while (scaled := _scalar_operand(q) or _symbolic_factor(q)) is not None and len(q.users) == 1:  # q pre-scaled
             inputs.add(q)
             q, factor = scaled
             symbolic += [factor] if isinstance(factor, Node) else []
             scale *= 1.0 if isinstance(factor, Node) else factor
-            q = _through_casts(q, inputs)
+            q = _widened(q, inputs)
         if symbolic and (len(symbolic) > 1 or scale != 1.0):
             return Miss(self.kind, softmax, f"{where}: scaled by a run-time (symbolic) value and by another "
                         "factor, which would have to be multiplied before q; not rewritten")
-        k_t = _through_casts(qk.args[1], inputs)
+        k_t = _widened(qk.args[1], inputs)
         k = _transposed(k_t)
         if k is None:
             return Miss(self.kind, softmax, f"{where}: the scores' second operand {ops.describe(k_t)} is not "
                         "a transposed key; not rewritten")
         inputs.add(k_t)
-        k, k_groups = _ungroup(_through_casts(k, inputs), inputs)
-        v, v_groups = _ungroup(_through_casts(pv.args[1], inputs), inputs)
+        k, k_groups = _ungroup(_widened(k, inputs), inputs)
+        v, v_groups = _ungroup(_widened(pv.args[1], inputs), inputs)
         shapes = [ops.shape_of(n) for n in (q, k, v)]
         if any(shape is None or len(shape) != len(shapes[0]) for shape in shapes) or (
                 k_groups is not v_groups and k_groups != v_groups):

@@ -589,6 +589,15 @@ def attn_math(q, k, v, mask):  # SDPA's math path
     return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask)[0]
 
 
+def attn_rounded_inputs(q, k, v):  # q and k computed in fp32 and rounded before it (OLMo's, Cohere's RoPE)
+    q, k = (q.float() * 1.5).to(q.dtype), (k.float() * 1.5).to(k.dtype)
+    return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * SCALE, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def attn_rounded_inputs_reference(q, k, v):  # the site reads the rounded q and k: that rounding is not its own
+    return ref.attention((q.float() * 1.5).to(q.dtype), (k.float() * 1.5).to(k.dtype), v)
+
+
 _QKV = (0, 1, 2)
 CASES += [
     Case("attn_eager", "attention", attn_eager, _q_k_v_mask, ref.attention, grads=_QKV),
@@ -608,3 +617,9 @@ CASES += [
          grads=_QKV),
     Case("attn_math", "attention", attn_math, _q_k_v_mask, ref.attention, grads=_QKV),
 ]
+
+# Not in CASES: the rounding of q and k before the site is the model's, not a site's, and unpinned
+# Inductor fuses it into the site's upcast and drops it (emulate_precision_casts=False);
+# tests/test_sites.py checks it on eager kernels and pinned.
+ROUNDED_INPUTS = Case("attn_rounded_inputs", "attention", attn_rounded_inputs, _q_k_v, attn_rounded_inputs_reference,
+                      grads=_QKV)
