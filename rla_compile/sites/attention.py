@@ -59,12 +59,12 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..emit import Emitter
+from . import attention_graph as reading
 from .base import Match, Miss, Site
 
 __all__ = ["SITE", "AttentionMatcher"]
 
 _SOFTMAX = ("softmax", "_softmax", "_safe_softmax")
-_MATMUL = ("matmul", "bmm")
 # SDPA and the ATen ops it lowers to; their arguments are read by schema name.
 _SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
          "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -73,33 +73,6 @@ _SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_fo
 
 # -- the contract, as emitted ops -------------------------------------------------------------
 @dataclass(frozen=True)
-class _Mask:
-    """How the scores are masked, in fp32: `add` (a float mask added), `fill`
-    (masked_fill(cond, value): True = remove), `keep` (SDPA's bool mask: True = keep, `value`
-    replaces the rest), `where` (where(cond, scores, other), or `keep_first=False`
-    where(cond, other, scores); other a scalar `value` or the role `mask_other`), `causal`
-    (keys after the query removed)."""
-
-    how: str
-    value: float = -math.inf
-    keep_first: bool = True  # where(cond, scores, other) (True) or where(cond, other, scores)
-
-    def apply(self, e: Emitter, scores: Node, roles: dict[str, Node]) -> Node:
-        if self.how == "add":
-            return e.add(scores, e.fp32(roles["mask"]))
-        if self.how == "fill":
-            return e.masked_fill(scores, roles["mask"], self.value)
-        if self.how == "keep":
-            return e.masked_fill(scores, e.logical_not(roles["mask"]), self.value)
-        if self.how == "where":  # where(cond, scores, other), or where(cond, other, scores)
-            other = e.fp32(roles["mask_other"]) if "mask_other" in roles else self.value
-            keep = roles["mask"] if self.keep_first else e.logical_not(roles["mask"])
-            return e.where(keep, scores, other)
-        rows, cols = scores.meta["val"].shape[-2:]
-        return e.masked_fill(scores, e.above_diagonal(rows, cols, scores.meta["val"].device), -math.inf)
-
-
-@dataclass(frozen=True)
 class _Attention:
     """The contract's computation for one site (roles q, k, v; mask when there is one; scale
     when it is a run-time value, which replaces `scale`)."""
@@ -107,7 +80,7 @@ class _Attention:
     scale: float
     groups: int | Node = 1
     softcap: float | None = None
-    mask: _Mask | None = None
+    mask: reading.Mask | None = None
 
     def __call__(self, e: Emitter, roles: dict[str, Node]) -> Node:
         q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale), name="q_scaled")  # in fp32, before q·k
@@ -119,138 +92,6 @@ class _Attention:
         if self.mask is not None:
             scores = self.mask.apply(e, scores, roles)
         return e.matmul(e.softmax(scores, kind="attention"), v, name="attention")  # P stays fp32
-
-
-# -- reading the graph --------------------------------------------------------------------------
-def _through_casts(node: object, nodes: set[Node]) -> object:
-    """Back through casts in either direction (a rounding inside the site is the site's)."""
-    while ops.is_cast(node):
-        nodes.add(node)
-        node = node.args[0]
-    return node
-
-
-def _widened(node: object, nodes: set[Node]) -> object:
-    """Back through exact upcasts only: an input's rounding (RoPE's `q_embed.to(bf16)`) is the
-    code before the site's, and the site reads the rounded value."""
-    while ops.widens(node):
-        nodes.add(node)
-        node = node.args[0]
-    return node
-
-
-def _scalar_operand(node: Node) -> tuple[Node, float] | None:
-    """mul/div of a tensor by a Python scalar: (tensor, factor), division as 1/c."""
-    if not ops.is_op(node, "mul", "div") or len(node.args) != 2:
-        return None
-    a, b = node.args
-    if ops.is_op(node, "mul") and isinstance(b, Node) and ops.constant(a) is not None:
-        a, b = b, a
-    c = ops.constant(b)
-    if not isinstance(a, Node) or c is None or c == 0:
-        return None
-    return a, (c if ops.is_op(node, "mul") else 1.0 / c)
-
-
-def _symbolic_factor(node: Node) -> tuple[Node, Node] | None:
-    """mul of a tensor by a symbolic float (a scale torch.compile(dynamic=True) did not
-    specialise): (tensor, the scalar's node)."""
-    if not ops.is_op(node, "mul") or len(node.args) != 2:
-        return None
-    for a, b in (node.args, node.args[::-1]):
-        if isinstance(a, Node) and isinstance(b, Node) and ops.dtype_of(a) is not None and ops.dtype_of(b) is None \
-                and isinstance(b.meta.get("val"), (torch.SymFloat, torch.SymInt)):
-            return a, b
-    return None
-
-
-def _ungroup(node: object, nodes: set[Node]) -> tuple[object, int | Node]:
-    """(x, groups) for HF's repeat_kv(x, groups) (unsqueeze(2), expand, reshape) or
-    x.repeat_interleave(groups, dim=1); (node, 1) otherwise. `groups` is the graph's own
-    argument: an int, or a node where the shapes are dynamic."""
-    if ops.is_op(node, "repeat_interleave") and len(node.args) >= 2 and isinstance(node.args[1], int) and ops.shape_of(node):
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
-        if dim is not None and ops.normalize_dim(dim, len(ops.shape_of(node))) == [1]:
-            nodes.add(node)
-            return node.args[0], node.args[1]
-    if ops.is_op(node, "reshape", "view", "_unsafe_view") and ops.is_op(node.args[0], "expand"):
-        expand = node.args[0]
-        unsqueeze = _through_slices(expand.args[0])
-        if ops.is_op(unsqueeze, "unsqueeze") and unsqueeze.args[1] == 2 and len(ops.shape_of(node) or ()) == 4 \
-                and ops.shape_of(unsqueeze.args[0]) is not None and ops.shape_of(expand) is not None:
-            x = unsqueeze.args[0]
-            same = [str(d) for d in ops.shape_of(x)]  # sizes compared as expressions: no guards
-            wide = [str(d) for d in ops.shape_of(expand)]
-            if len(wide) == 5 and wide[:2] == same[:2] and wide[3:] == same[2:]:
-                nodes |= {node, expand, unsqueeze, *_slices_between(expand.args[0], unsqueeze)}
-                return x, expand.args[1][2]
-    return node, 1
-
-
-def _through_slices(node: object) -> object:
-    """Back through full slices (`x[:, :, None, :, :]` under dynamic shapes)."""
-    while ops.is_op(node, "slice") and node.args[2:] in ((), (0, 9223372036854775807)):
-        node = node.args[0]
-    return node
-
-
-def _slices_between(node: object, source: object) -> set[Node]:
-    found = set()
-    while node is not source and ops.is_op(node, "slice"):
-        found.add(node)
-        node = node.args[0]
-    return found
-
-
-def _transposed(node: object) -> object | None:
-    """x for xᵀ over the last two dims (transpose or permute), else None."""
-    shape = ops.shape_of(node)
-    if shape is None or len(shape) < 2:
-        return None
-    n = len(shape)
-    if ops.is_op(node, "transpose") and ops.normalize_dim(list(node.args[1:3]), n) == [n - 2, n - 1]:
-        return node.args[0]
-    if ops.is_op(node, "permute") and list(node.args[1]) == [*range(n - 2), n - 1, n - 2]:
-        return node.args[0]
-    if ops.is_op(node, "t") and n == 2:
-        return node.args[0]
-    return None
-
-
-def _kind_of_mask(node: Node, scores_from: Node) -> tuple[Node, _Mask, dict[str, Node]] | None:
-    """(the unmasked scores, the mask, its roles) when `node` masks the scores."""
-    if ops.is_op(node, "add") and len(node.args) == 2 and all(isinstance(a, Node) for a in node.args):
-        a, b = node.args
-        scores, mask = (a, b) if _leads_to(a, scores_from) else (b, a)
-        return scores, _Mask("add"), {"mask": mask}
-    if ops.is_op(node, "masked_fill") and ops.constant(node.args[2]) is not None:
-        return node.args[0], _Mask("fill", ops.constant(node.args[2])), {"mask": node.args[1]}
-    if ops.is_op(node, "where") and len(node.args) == 3:
-        cond, a, b = node.args
-        keep_first = _leads_to(a, scores_from)
-        scores, other = (a, b) if keep_first else (b, a)
-        if isinstance(other, Node):
-            return scores, _Mask("where", keep_first=keep_first), {"mask": cond, "mask_other": other}
-        if ops.constant(other) is not None:
-            return scores, _Mask("where", ops.constant(other), keep_first), {"mask": cond}
-    return None
-
-
-def _leads_to(node: object, target: Node, depth: int = 8) -> bool:
-    """Whether `target` (the q·k matmul) is among node's floating inputs, within a few ops."""
-    return _first_matmul(node, depth) is target
-
-
-def _first_matmul(node: object, depth: int = 8) -> Node | None:
-    """The nearest matmul among node's floating-point inputs (not a mask's bool chain)."""
-    frontier = [node] if isinstance(node, Node) else []
-    for _ in range(depth):
-        found = [n for n in frontier if ops.is_op(n, *_MATMUL)]
-        if found:
-            return found[0]
-        frontier = [p for n in frontier for p in n.all_input_nodes
-                    if ops.dtype_of(p) is not None and ops.dtype_of(p).is_floating_point]
-    return None
 
 
 class AttentionMatcher:
@@ -296,8 +137,8 @@ class AttentionMatcher:
         roles = {"scale": scale} if isinstance(scale, Node) else {}  # a run-time (symbolic) scale
         scale = 1.0 / math.sqrt(shape_q[-1]) if scale is None else 1.0 if isinstance(scale, Node) else float(scale)
         nodes: set[Node] = set()
-        k_src, k_groups = _ungroup(k, nodes)
-        v_src, v_groups = _ungroup(v, nodes)
+        k_src, k_groups = reading.ungroup(k, nodes)
+        v_src, v_groups = reading.ungroup(v, nodes)
         if k_groups is not v_groups and k_groups != v_groups:
             return None
         heads_k = ops.shape_of(k_src)[-3] if len(shape_k) >= 3 else 1
@@ -310,16 +151,16 @@ class AttentionMatcher:
             if not all(isinstance(d, int) for d in (shape_q[-2], shape_k[-2])):
                 return Miss(self.kind, node, f"{where}: is_causal with dynamic sequence lengths; the causal mask "
                             "is built from static shapes only; not rewritten")
-            the_mask, variant = _Mask("causal"), variant + ", causal"
+            the_mask, variant = reading.Mask("causal"), variant + ", causal"
         elif isinstance(mask, Node):
             roles["mask"] = mask
             if ops.dtype_of(mask) == torch.bool:
-                the_mask, variant = _Mask("keep"), variant + ", bool mask"
+                the_mask, variant = reading.Mask("keep"), variant + ", bool mask"
             else:
-                the_mask, variant = _Mask("add"), variant + ", float mask"
+                the_mask, variant = reading.Mask("add"), variant + ", float mask"
         if isinstance(groups, Node) or groups > 1:
             variant += ", grouped"
-        region |= _owned(nodes, region)
+        region |= reading.owned(nodes, region)
         return Match(self.kind, node, frozenset(region), variant, roles,
                      recompute=("q", "k", "v"), computes=_Attention(scale, groups, None, the_mask))
 
@@ -345,8 +186,8 @@ class AttentionMatcher:
             else:
                 break
             nodes.add(p)
-        pv = next((u for u in p.users if ops.is_op(u, *_MATMUL) and u.args[0] is p), None)
-        qk = _first_matmul(softmax.args[0])
+        pv = next((u for u in p.users if ops.is_op(u, *reading.MATMUL) and u.args[0] is p), None)
+        qk = reading.first_matmul(softmax.args[0])
         if pv is None or qk is None:
             return None  # a softmax that is not attention's (sampling, a router)
         if len(p.users) != 1:
@@ -356,52 +197,52 @@ class AttentionMatcher:
 
         # back: mask, soft-cap, scale, to q · kᵀ
         scale, softcap, mask, roles = 1.0, None, None, {}
-        s = _through_casts(softmax.args[0], nodes)
-        masked = _kind_of_mask(s, qk)
+        s = reading.through_casts(softmax.args[0], nodes)
+        masked = reading.kind_of_mask(s, qk)
         if masked is not None:
             nodes.add(s)
             s, mask, roles = masked
-            s = _through_casts(s, nodes)
-        if (capped := _softcap(s, nodes)) is not None:
+            s = reading.through_casts(s, nodes)
+        if (capped := reading.softcap(s, nodes)) is not None:
             s, softcap = capped
-            s = _through_casts(s, nodes)
+            s = reading.through_casts(s, nodes)
         symbolic: list[Node] = []  # a scale known at run time only
-        while s is not qk and (scaled := _scalar_operand(s) or _symbolic_factor(s)) is not None:
+        while s is not qk and (scaled := reading.scalar_operand(s) or reading.symbolic_factor(s)) is not None:
             nodes.add(s)
             s, factor = scaled
             symbolic += [factor] if isinstance(factor, Node) else []
             scale *= 1.0 if isinstance(factor, Node) else factor
-            s = _through_casts(s, nodes)
+            s = reading.through_casts(s, nodes)
         if s is not qk:
             return Miss(self.kind, softmax, f"{where}: the scores reach the softmax through {ops.describe(s)} "
                         f"({ops.op_name(s)}), not a scale, soft-cap or mask; not rewritten")
         nodes.add(qk)
 
         inputs: set[Node] = set()  # the inputs' casts, transposes and repeats: the site's if only it reads them
-        q = _widened(qk.args[0], inputs)
-        while (scaled := _scalar_operand(q) or _symbolic_factor(q)) is not None and len(q.users) == 1:  # q pre-scaled
+        q = reading.widened(qk.args[0], inputs)
+        while (scaled := reading.scalar_operand(q) or reading.symbolic_factor(q)) is not None and len(q.users) == 1:  # q pre-scaled
             inputs.add(q)
             q, factor = scaled
             symbolic += [factor] if isinstance(factor, Node) else []
             scale *= 1.0 if isinstance(factor, Node) else factor
-            q = _widened(q, inputs)
+            q = reading.widened(q, inputs)
         if symbolic and (len(symbolic) > 1 or scale != 1.0):
             return Miss(self.kind, softmax, f"{where}: scaled by a run-time (symbolic) value and by another "
                         "factor, which would have to be multiplied before q; not rewritten")
-        k_t = _widened(qk.args[1], inputs)
-        k = _transposed(k_t)
+        k_t = reading.widened(qk.args[1], inputs)
+        k = reading.transposed(k_t)
         if k is None:
             return Miss(self.kind, softmax, f"{where}: the scores' second operand {ops.describe(k_t)} is not "
                         "a transposed key; not rewritten")
         inputs.add(k_t)
-        k, k_groups = _ungroup(_widened(k, inputs), inputs)
-        v, v_groups = _ungroup(_widened(pv.args[1], inputs), inputs)
+        k, k_groups = reading.ungroup(reading.widened(k, inputs), inputs)
+        v, v_groups = reading.ungroup(reading.widened(pv.args[1], inputs), inputs)
         shapes = [ops.shape_of(n) for n in (q, k, v)]
         if any(shape is None or len(shape) != len(shapes[0]) for shape in shapes) or (
                 k_groups is not v_groups and k_groups != v_groups):
             return None  # not q, k, v of one attention
         roles = {"q": q, "k": k, "v": v, **roles, **({"scale": symbolic[0]} if symbolic else {})}
-        region = nodes | _owned(inputs, nodes)
+        region = nodes | reading.owned(inputs, nodes)
         outside = [n for n in region if n is not pv and any(u not in region for u in n.users)]
         if outside:
             return Miss(self.kind, softmax, f"{where}: {ops.describe(outside[0])} inside attention is read "
@@ -410,33 +251,6 @@ class AttentionMatcher:
             ", grouped" if isinstance(k_groups, Node) or k_groups > 1 else "")
         return Match(self.kind, softmax, frozenset(region), variant, roles, recompute=("q", "k", "v"),
                      computes=_Attention(scale, k_groups, softcap, mask))
-
-
-def _softcap(node: object, nodes: set[Node]) -> tuple[Node, float] | None:
-    """(x, c) for tanh(x / c) * c."""
-    outer = _scalar_operand(node) if isinstance(node, Node) else None
-    if outer is None or not ops.is_op(outer[0], "tanh"):
-        return None
-    tanh, c = outer
-    inner = _scalar_operand(_through_casts(tanh.args[0], nodes))
-    if inner is None or not math.isclose(inner[1] * c, 1.0):
-        return None
-    nodes |= {node, tanh, _through_casts(tanh.args[0], set())}
-    return inner[0], c
-
-
-def _owned(candidates: set[Node], region: set[Node]) -> set[Node]:
-    """The candidates (casts, transposes, head repeats of the inputs) that only the site reads,
-    latest first: each joins when all its users are in the region."""
-    owned: set[Node] = set()
-    changed = True
-    while changed:
-        changed = False
-        for node in candidates - owned:
-            if all(u in region or u in owned for u in node.users):
-                owned.add(node)
-                changed = True
-    return owned
 
 
 SITE = Site(
