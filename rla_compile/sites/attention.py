@@ -259,7 +259,9 @@ SITE = Site(
     summary="attention in fp32 from q × scale (scores, softmax, P·V), output rounded once",
     opt_in="it replaces fused attention kernels by fp32 matmul-softmax-matmul with [B, H, L, S] fp32 scores in "
            "memory (docs/contract.md#attention-opt-in); opt-in until its cost at the real shape is measured",
-    kernel_boundaries=tuple(op for op in _SDPA if op not in ("scaled_dot_product_attention", "_scaled_dot_product_attention_math")),  # kernels of their own
+    # the fused ops Inductor runs as kernels of their own (the composite and the math op decompose)
+    kernel_boundaries=tuple(op for op in _SDPA
+                            if op not in ("scaled_dot_product_attention", "_scaled_dot_product_attention_math")),
     # vLLM-CPU's `vec` kernel follows the contract; with its KV split across threads (the default),
     # single-request decode sums in another order than prefill (0.013-0.017% of elements differ)
     engine_env={"VLLM_CPU_ATTN_SPLIT_KV": "0"},
