@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import rla_compile.sites
+
 from benchmarks.common import RESULTS, module_command, module_env
 
 
@@ -110,7 +112,8 @@ def test_real_shape_smoke(tmp_path):
     result = json.loads((tmp_path / "s.json").read_text())["results"]
     assert len(result["runs"]) == 2
     for run in result["runs"]:
-        assert set(run["variants"]) == {"inductor", "rla", "rla + logits"}
+        # the default sites, and each opt-in site on top (from the registry)
+        assert set(run["variants"]) == {"inductor", "rla", *(f"rla + {kind}" for kind in rla_compile.sites.OPT_IN_SITES)}
         assert run["variants"]["rla"]["train_rla_s"]["retrace"] > 0
     # saved bytes are exact, so every process measures the same ratio
     spread = result["ratio_across_runs"]["rla"]["saved_bytes"]
