@@ -92,8 +92,9 @@ def test_ablation_keeps_the_one_side_rows_and_the_plot_finds_its_rows():
     from rla_compile.mismatch import plot
 
     labels = [label for label, _, _ in mismatch.configurations(ablation=True)]
-    assert labels[:5] == ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits"]
-    assert labels[5:] == [f"{kind} only, both sides" for kind in mismatch.SITE_KINDS]
+    assert labels[:7] == ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits",
+                          "rla on both + attention", "rla on both + logits + attention"]
+    assert labels[7:] == [f"{kind} only, both sides" for kind in mismatch.SITE_KINDS]
     assert set(plot.SHOWN) <= set(labels)  # the histogram's rows exist under these names
 
 
@@ -192,7 +193,8 @@ def test_cli_reports_table_json_and_plot(tmp_path):
     assert "machine: " in done.stdout and "hf-inductor:train = HF's training forward" in done.stdout  # legend
     report = json.loads(out.read_text())
     rows = {r["label"]: r for r in report["rows"]}
-    assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits"]
+    assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits",
+                          "rla on both + attention", "rla on both + logits + attention"]
     # one compiler on both sides: off and both are the same computation, one side only is not
     assert rows["rla off"]["metrics"]["bitwise_equal"] == rows["rla on both"]["metrics"]["bitwise_equal"] == 1.0
     assert rows["rla on trainer only"]["metrics"]["mean_abs_dlogprob"] > 0

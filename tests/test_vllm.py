@@ -177,7 +177,7 @@ def test_mismatch_tool_against_vllm(tmp_path):
     report = json.loads((tmp_path / "m.json").read_text())["results"]
     rows = {r["label"]: r for r in report["rows"]}
     assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits",
-                          "fp32 trainer, engine stock"]
+                          "rla on both + attention", "rla on both + logits + attention", "fp32 trainer, engine stock"]
     assert rows["rla on both"]["inference"] == "vllm-inductor+rla" and rows["rla off"]["trainer"] == "hf-inductor:train"
     assert rows["fp32 trainer, engine stock"]["trainer"] == "hf-inductor:float32:train"
     # the same sites, rewritten, on both sides of the same weights
