@@ -194,7 +194,7 @@ class Rewriter:
         value = match.computes(emitter, match.roles)
         dtype = ops.dtype_of(output)
         if dtype in ops.LOW_PRECISION:
-            value = emitter.cast(value, dtype)
+            value = emitter.cast(value, dtype, f"{output.name}_rounded")
             ops.tag_rounding(value, match.kind)
         else:  # the graph's own rounding of an fp32 output: the site's one rounding
             for user in output.users:
