@@ -10,7 +10,7 @@ eager kernels) and without (plain Inductor with emulate_precision_casts vs plain
     python -m benchmarks.invariance_sweep --from-json benchmarks/results/invariance_sweep_cpu.json   # docs only
 
 Each family's result is appended to `<json>.partial.jsonl` as it arrives; `--resume` skips the
-families already there (an interrupted sweep loses at most the families in flight), and
+families already there or measured in `--json` (an interrupted sweep loses at most the families in flight), and
 `--jobs`/`--part` split the list between processes or machines (about 2 hours on 2 cores
 for all 178 model types; 1 family a minute).
 """
@@ -101,6 +101,16 @@ def write_docs(data: dict, path: Path = DOCS) -> None:
     path.write_text(text)
 
 
+NOT_RUN = "not run in this sweep (`python -m benchmarks.invariance_sweep --resume` runs the rest)"
+
+
+def _measured(path: Path) -> dict[str, dict]:
+    """The families an earlier run's results (`--json`) measured, by family ("not run" ones left out)."""
+    if not path.exists():
+        return {}
+    return {r["family"]: r for r in json.loads(path.read_text())["results"] if r["status"] != "not run"}
+
+
 def _partial(path: Path) -> dict[str, dict]:
     """The results appended so far, by family (the last one wins)."""
     if not path.exists():
@@ -117,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     parser.add_argument("--from-json", help="rewrite the docs section from these results; run nothing")
     parser.add_argument("--no-docs", action="store_true", help="do not touch docs/contract.md")
-    parser.add_argument("--resume", action="store_true", help="skip the families in <json>.partial.jsonl")
+    parser.add_argument("--resume", action="store_true", help="skip the families measured in --json or <json>.partial.jsonl")
     parser.add_argument("--part", default="1/1", help="K/N: only every N-th family, starting at the K-th")
     args = parser.parse_args(argv)
 
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         part, parts = (int(v) for v in args.part.split("/"))
         names = names[part - 1::parts]
         partial = Path(args.json + ".partial.jsonl")
-        done = _partial(partial) if args.resume else {}
+        done = {**_measured(Path(args.json)), **_partial(partial)} if args.resume else {}
         if not args.resume:
             partial.write_text("")
 
@@ -144,8 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         todo = [n for n in names if n not in done]
         family_sweep.sweep(todo, args.seeds, args.jobs, args.timeout, progress)
-        found = _partial(partial)
-        results = [found[n] for n in names if n in found]
+        found = {**done, **_partial(partial)}
+        results = [found.get(n) or {"family": n, "status": "not run", "seconds": 0, "reason": NOT_RUN} for n in names]
         data = {"machine": machine(), "transformers": transformers.__version__, "seeds": args.seeds,
                 "summary": family_sweep.summary(results), "results": results}
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
