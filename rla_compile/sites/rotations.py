@@ -35,14 +35,20 @@ def _last_dim_slice(node: object, source: Node | None = None) -> tuple[Node, int
     return x, start, end, step
 
 
+def _negated_pair(tensors: object) -> tuple[Node, Node] | None:
+    """The operands of cat/stack([-a, b], ...) -> (the neg node, b); None for anything else."""
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2 or not ops.is_op(tensors[0], "neg"):
+        return None
+    return tensors[0], tensors[1]
+
+
 def rotate_half(cat: Node) -> tuple[Node, set[Node], str] | None:
     """cat([-x2, x1], -1) with x1, x2 the halves of x -> (x, nodes, "neox")."""
-    tensors, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
-    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
+    dim = cat.args[1] if len(cat.args) > 1 else 0
+    pair = _negated_pair(cat.args[0])
+    if pair is None:
         return None
-    neg, lo = tensors
-    if not ops.is_op(neg, "neg"):
-        return None
+    neg, lo = pair
     hi = _last_dim_slice(neg.args[0])
     low = _last_dim_slice(lo)
     if hi is None or low is None or hi[0] is not low[0]:
@@ -71,12 +77,10 @@ def _rotate_chunked_halves(cat: Node, neg: Node, lo: Node) -> tuple[Node, set[No
 
 def rotate_interleaved(stack: Node) -> tuple[Node, Node, set[Node], str] | None:
     """stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2) -> (x, rotated, nodes, "gptj")."""
-    tensors = stack.args[0]
-    if not isinstance(tensors, (list, tuple)) or len(tensors) != 2:
+    pair = _negated_pair(stack.args[0])
+    if pair is None:
         return None
-    neg, even = tensors
-    if not ops.is_op(neg, "neg"):
-        return None
+    neg, even = pair
     odd = _last_dim_slice(neg.args[0])
     ev = _last_dim_slice(even)
     if odd is None or ev is None or odd[0] is not ev[0] or (odd[1], odd[3], ev[1], ev[3]) != (1, 2, 0, 2):
