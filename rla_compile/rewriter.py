@@ -20,6 +20,9 @@ class Rewriter:
         self.post_grad = post_grad  # Inductor's post-grad IR: casts are prims.convert_element_type
         self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
         self._fp32_only: dict[Node, bool] = {}
+        # a node another site re-typed to fp32 -> its output rounding: what the graph's other
+        # readers now read, and what a replaced site's role names (`replace`)
+        self.rounded_as: dict[Node, Node] = {}
 
     # -- inputs -------------------------------------------------------------------------
     def bypassable(self, value: Node) -> tuple[Node, set[Node]] | None:
@@ -173,7 +176,7 @@ class Rewriter:
                 with self.graph.inserting_after(value):
                     rounded = self._cast(value, dtype_before[node], f"{node.name}_rounded")
                 ops.tag_rounding(rounded, match.kind)
-                rounding[node] = rounded
+                rounding[node] = self.rounded_as[node] = rounded
             else:
                 rounded = value
                 for user in users:  # the model's own rounding of an fp32 output: keep it
@@ -191,7 +194,10 @@ class Rewriter:
 
         (output,) = [n for n in self.graph.nodes if n in match.nodes and any(u not in match.nodes for u in n.users)]
         emitter = Emitter(self.graph, output, self.post_grad)
-        value = match.computes(emitter, match.roles)
+        # a role another site rewrote before (q and k out of RoPE) now holds that site's fp32
+        # value: the replacement reads what the graph's other readers read, its one rounding
+        roles = {role: self.rounded_as.get(node, node) for role, node in match.roles.items()}
+        value = match.computes(emitter, roles)
         dtype = ops.dtype_of(output)
         if dtype in ops.LOW_PRECISION:
             value = emitter.cast(value, dtype, f"{output.name}_rounded")
@@ -205,7 +211,7 @@ class Rewriter:
             if not node.users:
                 self.graph.erase_node(node)
         if not self.post_grad:  # the backward recomputes these upcasts instead of saving fp32 copies
-            sources = {match.roles[role] for role in match.recompute if role in match.roles}
+            sources = {roles[role] for role in match.recompute if role in roles}
             for node in emitter.emitted:
                 if ops.is_cast(node) and node.args[0] in sources:
                     mark_recompute(node)

@@ -79,11 +79,17 @@ def _compiled_logits(model, sites):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_layer_is_rewritten_and_equals_the_contract_reference(family, implementation):
     model = _model(family, implementation)
-    _, reports = _compiled_logits(model, [*rla_compile.DEFAULT_SITES, "attention"])
+    every, reports = _compiled_logits(model, [*rla_compile.DEFAULT_SITES, "attention"])
     layers = model.config.num_hidden_layers
     assert sum(r.count("attention", "rewritten") for r in reports) == layers, "\n".join(map(str, reports))
     variants = {s.variant for r in reports for s in r.sites if s.kind == "attention"}
     assert variants == VARIANTS[family, implementation], variants
+    # with the other sites: attention reads q and k as RoPE's site rounded them (the bf16 the
+    # engine caches), not RoPE's fp32 value from before its rounding
+    model.set_attn_implementation(f"rla_contract_{implementation}")
+    others, _ = _compiled_logits(model, list(rla_compile.DEFAULT_SITES))
+    model.set_attn_implementation(implementation)
+    assert torch.equal(every, others)
 
     got, reports = _compiled_logits(model, ["attention"])
     assert sum(r.count("attention", "rewritten") for r in reports) == layers
@@ -128,6 +134,25 @@ def test_training_step_equals_the_contract_reference(family, implementation):
     want, want_grads = _training_step(model)
     assert torch.equal(got, want)
     assert sorted(got_grads) == sorted(want_grads)
+    assert [n for n in want_grads if not torch.equal(got_grads[n], want_grads[n])] == []
+
+
+def test_training_step_with_every_site_equals_the_contract_reference():
+    """With the default sites too, every gradient equals the model's with the default sites and
+    the reference attention: q's and k's gradients pass RoPE's rounding, as its output did."""
+    model = _model("qwen3", "eager").train()
+    grads = []
+    for implementation, sites in (("eager", [*rla_compile.DEFAULT_SITES, "attention"]),
+                                  ("rla_contract_eager", list(rla_compile.DEFAULT_SITES))):
+        model.set_attn_implementation(implementation)
+        torch._dynamo.reset()
+        try:
+            backend = rla_compile.Backend(compiler="aot_eager", sites=sites)
+            grads.append(_training_step(model, torch.compile(model, backend=backend)))
+        finally:
+            torch._dynamo.reset()
+    (got, got_grads), (want, want_grads) = grads
+    assert torch.equal(got, want)
     assert [n for n in want_grads if not torch.equal(got_grads[n], want_grads[n])] == []
 
 
