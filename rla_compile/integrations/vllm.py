@@ -53,10 +53,11 @@ from ..graph_pass import align_and_record
 from ..lowering import keep_site_roundings
 from ..report import GraphReport
 from . import patching
+from .vllm_kernels import check_attention_kernel, cpu_attention_kernel, paired_rounding  # noqa: F401 (public here)
 
 __all__ = [
     "compilation_config", "engine_kwargs", "make_pass", "register", "install", "undo", "options_from_env",
-    "environment", "injected", "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
+    "environment", "injected", "paired_rounding", "cpu_attention_kernel", "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
 ]
 
 log = logging.getLogger(__name__)
@@ -374,40 +375,6 @@ def _engine_keeps_fp32_rope() -> bool:
     config = get_current_vllm_config_or_none()  # set by vLLM while it builds an engine's model
     rla = None if config is None else config.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass")
     return is_rla_pass(rla) and any("fp32_rope_tables" in site.engine_hooks for site in registry.selected(rla.options.sites))
-
-
-# What vLLM-CPU's attention kernels do with P, by ISA (vllm/v1/attention/backends/cpu_attn.py,
-# `_get_attn_isa`): `vec` (and `vec16`) compute q·scale, the scores, the online softmax and P·V in
-# fp32 and round the output once, the attention site's contract (measured bit for bit against a
-# plain-torch model of it); `amx` holds q and P in bf16, as FlashAttention does on GPUs.
-CPU_ATTENTION_FOLLOWS = {"vec": True, "vec16": True, "amx": False}
-
-
-def cpu_attention_kernel(dtype: Any = None, block_size: int = 128, head_size: int | None = None) -> tuple[str, bool | None]:
-    """(the attention kernel vLLM runs here, whether it follows the attention contract: None
-    when not measured). On other platforms than the CPU: ("<platform> backends", False)."""
-    import torch
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return f"{current_platform.device_name} backends", False
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = _get_attn_isa(dtype or torch.bfloat16, block_size, head_size)
-    return isa, CPU_ATTENTION_FOLLOWS.get(isa)
-
-
-def check_attention_kernel() -> None:
-    """The attention site's engine hook: say which kernel vLLM's attention runs and whether it
-    follows the contract (the site aligns the trainer's attention; the engine's is its kernel)."""
-    kernel, follows = cpu_attention_kernel()
-    if follows:
-        log.info("rla's attention site: vLLM runs the %r attention kernel, which follows the contract "
-                 "(fp32 scores and P, output rounded once)", kernel)
-    else:
-        log.warning("rla's attention site: vLLM runs %r attention, which %s the contract (P held in bf16); the "
-                    "trainer side is aligned, the engine's attention is not", kernel,
-                    "does not follow" if follows is False else "was not measured against")
 
 
 # The hooks a site may ask for by name (`Site.engine_hooks`), run by `_prepare_process`.

@@ -197,10 +197,11 @@ def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> tuple[li
 def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path | None = None,
              check_unchanged: bool = True) -> Localisation:
     """Compare two stacks (HF or vLLM, any pair) point by point on `sequences` ([B, T] token
-    ids). With `check_unchanged`, each stack is also scored without recording, and
+    ids); an HF stack compared with vLLM is `Stack.paired` with it. With `check_unchanged`, each stack is also scored without recording, and
     `Localisation.unchanged` says whether recording left its logprobs bit for bit the same."""
     from .. import bundled
 
+    a, b = a.paired(b), b.paired(a)  # an HF trainer's sites round as vLLM's own kernels for them do here
     model_dir = Path(model_dir or bundled.MODEL_DIR)
     (first, lp_a), (second, lp_b) = _capture(a, model_dir, sequences), _capture(b, model_dir, sequences)
     if [n for n, _, _ in first] != [n for n, _, _ in second]:

@@ -122,6 +122,7 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
         # a row's side is sites for the given stack, or a whole Stack of its own (e.g. an fp32 trainer)
         t = train_sites if isinstance(train_sites, Stack) else trainer.with_sites(train_sites)
         i = infer_sites if isinstance(infer_sites, Stack) else inference.with_sites(infer_sites)
+        t = t.paired(i)  # an HF trainer's sites round as vLLM's own kernels for them do here
         lp_t, lp_i = logprobs(t), logprobs(i)
         metrics = compare_logprobs(lp_t, lp_i, tokens)
         delta = (lp_t.gather(-1, tokens[:, None]) - lp_i.gather(-1, tokens[:, None]))[:, 0].double()

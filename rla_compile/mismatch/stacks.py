@@ -33,6 +33,9 @@ class Stack:
     engine "hf": compiler "eager" (no torch.compile), "aot_eager" (compiled, eager kernels) or
     "inductor"; `train` runs the training-mode forward with autograd on.
     engine "vllm": compiler "inductor" (vLLM's compiled path) or "eager" (enforce_eager).
+    `rounding`: (site kind, mode) pairs for rla's option `rounding`, written `kind~mode` in the
+    label's site list (`+rla[rope,attention~toward_zero]`); `paired` fills them in for an HF
+    trainer compared with vLLM, as measured on this machine.
     """
 
     engine: str
@@ -40,6 +43,7 @@ class Stack:
     sites: tuple[str, ...] | None = None
     train: bool = False
     dtype: str = "bfloat16"  # the weights' and activations' dtype
+    rounding: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         compilers = {"hf": HF_COMPILERS, "vllm": VLLM_COMPILERS}.get(self.engine)
@@ -53,25 +57,48 @@ class Stack:
                 fix = "'aot_eager' (compiled, eager kernels)" if self.engine == "hf" else "'inductor'"
                 raise ValueError(f"rla is a torch.compile rewrite: {self.engine} with compiler 'eager' cannot align sites; "
                                  f"use compiler {fix}")
+        if self.rounding:
+            from ..config import Options, OptionError
+
+            try:
+                Options(sites=self.sites or (), rounding=dict(self.rounding))
+            except OptionError as error:
+                raise ValueError(f"stack {self.engine}-{self.compiler}: {error}") from None
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {list(DTYPES)}")
         if self.train and self.engine != "hf":
             raise ValueError("train=True is a training-mode forward: only engine 'hf' has one")
 
     def with_sites(self, sites) -> "Stack":
-        return replace(self, sites=None if sites is None else tuple(sites))
+        sites = None if sites is None else tuple(sites)
+        return replace(self, sites=sites, rounding=tuple((k, m) for k, m in self.rounding if k in (sites or ())))
+
+    def paired(self, other: "Stack") -> "Stack":
+        """This stack as the trainer paired with `other`: an HF stack compared with vLLM rounds
+        each selected site whose engine half is vLLM's own kernel as that kernel does here
+        (`integrations.vllm.paired_rounding`, measured); any other pair is returned unchanged."""
+        if self.engine != "hf" or other.engine != "vllm" or not self.sites:
+            return self
+        from ..config import Options
+        from ..integrations.vllm_kernels import paired_rounding
+
+        rounding = paired_rounding(Options(sites=self.sites, rounding=dict(self.rounding)))
+        return replace(self, rounding=tuple(sorted((k, m) for k, m in rounding.items() if m != "nearest")))
 
     @property
     def label(self) -> str:
         """`engine-compiler[+rla[sites]][:dtype][:train]`, the form `parse` reads."""
-        rla = "" if self.sites is None else "+rla" if set(self.sites) == set(registry.DEFAULT_SITES) else f"+rla[{','.join(self.sites)}]"
+        modes = dict(self.rounding)
+        listed = ",".join(f"{s}~{modes[s]}" if s in modes else s for s in self.sites or ())
+        rla = ("" if self.sites is None else "+rla" if set(self.sites) == set(registry.DEFAULT_SITES) and not modes
+               else f"+rla[{listed}]")
         dtype = "" if self.dtype == "bfloat16" else f":{self.dtype}"
         return f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}"
 
     @classmethod
     def parse(cls, text: str) -> "Stack":
         """'hf-inductor', 'hf-aot_eager+rla', 'hf-inductor+rla[rope,swiglu]:train', 'vllm-inductor+rla',
-        'hf-eager:float32'."""
+        'hf-eager:float32', 'hf-inductor+rla[rope,attention~toward_zero]:train'."""
         head, *flags = text.split(":")
         unknown = [f for f in flags if f != "train" and f not in DTYPES]
         engine, _, rest = head.partition("-")
@@ -79,9 +106,11 @@ class Stack:
         if unknown or not compiler or (plus and not (rla == "rla" or (rla.startswith("rla[") and rla.endswith("]")))):
             raise ValueError(f"cannot read stack {text!r}: write engine-compiler[+rla[sites]][:dtype][:train], "
                              "e.g. hf-inductor+rla:train, hf-aot_eager, vllm-inductor+rla[rope,swiglu], hf-eager:float32")
-        sites = None if not plus else tuple(registry.DEFAULT_SITES) if rla == "rla" else tuple(s for s in rla[4:-1].split(",") if s)
+        items = [] if not plus or rla == "rla" else [s for s in rla[4:-1].split(",") if s]
+        sites = None if not plus else tuple(registry.DEFAULT_SITES) if rla == "rla" else tuple(s.partition("~")[0] for s in items)
+        rounding = tuple((kind, mode) for kind, _, mode in (s.partition("~") for s in items) if mode)
         dtype = next((f for f in flags if f in DTYPES), "bfloat16")
-        return cls(engine, compiler, sites, train="train" in flags, dtype=dtype)
+        return cls(engine, compiler, sites, train="train" in flags, dtype=dtype, rounding=rounding)
 
 
 def has_vllm() -> bool:
@@ -114,7 +143,7 @@ def hf_runner(stack: Stack, model):
     model.train(stack.train)
     model.requires_grad_(stack.train)
     if stack.sites is not None:
-        rla = Backend(compiler=stack.compiler, sites=list(stack.sites))
+        rla = Backend(compiler=stack.compiler, sites=list(stack.sites), rounding=dict(stack.rounding))
         return torch.compile(model, backend=rla), rla
     if stack.compiler == "eager":
         return model, None

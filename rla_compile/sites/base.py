@@ -75,6 +75,9 @@ class Site:
     environment a vLLM engine needs for its half of the site; `engine_hooks` / `trainer_hooks`:
     hooks, by name, that the vLLM / TRL integrations run when the site is selected (each
     integration maps every name to its implementation; a test checks that none is missing).
+    `engine_rounding`: for a site whose engine half is a kernel of the engine's own, the probe
+    (`integrations.vllm_kernels.ROUNDING_PROBES`) that measures how that kernel rounds its
+    output; the trainer's site is paired with it (`paired_rounding`, option `rounding`).
     """
 
     kind: str
@@ -87,3 +90,4 @@ class Site:
     engine_env: Mapping[str, str] = field(default_factory=dict)
     engine_hooks: tuple[str, ...] = ()
     trainer_hooks: tuple[str, ...] = ()
+    engine_rounding: str = ""

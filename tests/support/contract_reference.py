@@ -77,10 +77,22 @@ def logits(h, weight, bias=None, softcap=None):
     return y
 
 
-def attention(q, k, v, mask=None, scale=None, causal=False, softcap=None, groups=1, fill=-math.inf):
+def round_toward_zero(x):
+    """fp32 -> bf16 with the low 16 bits dropped (rla's rounding mode "toward_zero"): rounded to
+    nearest, then one bf16 step back toward zero where that went past |x| (bf16 is
+    sign-magnitude: one less on the int16 pattern is one step toward zero, either sign)."""
+    x = x.detach().to(torch.float32)
+    nearest = x.to(torch.bfloat16)
+    past = nearest.to(torch.float32).abs() > x.abs()
+    return torch.where(past, (nearest.view(torch.int16) - 1).view(torch.bfloat16), nearest)
+
+
+def attention(q, k, v, mask=None, scale=None, causal=False, softcap=None, groups=1, fill=-math.inf,
+              rounding="nearest"):
     """Attention from fp32 q, k, v, rounded once: q × scale first (1/sqrt(E) by default), scores
     q·kᵀ, soft-cap tanh(s / c) * c, the mask (float: added; bool: True keeps, the rest `fill`;
-    `causal`: keys after the query removed), softmax, P · v; grouped k/v heads repeated in fp32."""
+    `causal`: keys after the query removed), softmax, P · v; grouped k/v heads repeated in fp32.
+    `rounding` "toward_zero": the one rounding drops the low bits (bf16 only)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qf = q.to(torch.float32) * scale
     kf, vf = (t.to(torch.float32) for t in (k, v))
@@ -96,7 +108,10 @@ def attention(q, k, v, mask=None, scale=None, causal=False, softcap=None, groups
         scores = scores.masked_fill(~mask, fill)
     elif mask is not None:
         scores = scores + mask.to(torch.float32)
-    return (torch.softmax(scores, dim=-1) @ vf).to(q.dtype)
+    out = torch.softmax(scores, dim=-1) @ vf
+    if rounding == "toward_zero":  # the gradient passes as through a cast
+        return (out + (round_toward_zero(out).to(torch.float32) - out).detach()).to(torch.bfloat16)
+    return out.to(q.dtype)
 
 
 def within_one_ulp(got, reference):
