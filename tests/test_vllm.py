@@ -189,7 +189,8 @@ def test_mismatch_tool_against_vllm(tmp_path):
     assert "logits" not in report["sites"][f"vllm-inductor+{logits}"]
     for row in rows.values():
         m = row["metrics"]
-        assert m["tokens"] == 16 and 0 < m["mean_abs_dlogprob"] <= m["max_abs_dlogprob"] < 1 and m["k3"] >= 0
+        # with attention too the stacks may agree on every one of 16 tokens: 0 is possible there
+        assert m["tokens"] == 16 and 0 <= m["mean_abs_dlogprob"] <= m["max_abs_dlogprob"] < 1 and m["k3"] >= 0
     assert (tmp_path / "m.png").stat().st_size > 10_000
 
 
