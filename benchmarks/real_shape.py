@@ -73,13 +73,19 @@ def _timed(fn, device: str = "cpu") -> float:
     return time.perf_counter() - start
 
 
-def _warm_up() -> None:
+def _selected(args) -> dict:
+    """The variants to run: plain Inductor (the baseline every ratio is to) and `args.variants`."""
+    names = getattr(args, "variants", None) or list(VARIANTS)
+    return {name: VARIANTS[name] for name in dict.fromkeys(["inductor", *names])}
+
+
+def _warm_up(variants: dict) -> None:
     """Compile a one-layer model once per variant, untimed: the first compile in a process also
     pays for imports and Inductor's own set-up, which would fall on whichever variant runs first."""
     torch._dynamo.reset()
     tiny = tiny_causal_lm("qwen3", num_hidden_layers=1)
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
-    for make in VARIANTS.values():
+    for make in variants.values():
         compiled = torch.compile(tiny, backend=make())
         compiled(ids, labels=ids, use_cache=False).loss.backward()
         with torch.no_grad():
@@ -112,10 +118,11 @@ def measure(args, device: str = "cpu") -> dict:
         return train, infer
 
     out = {"config": config, "tokens": args.tokens, "reps": args.reps, "variants": {}}
+    variants = _selected(args)
     if args.warm_up:
-        _warm_up()
+        _warm_up(variants)
     steps = {}
-    for name, make in VARIANTS.items():  # no Dynamo reset: each backend keeps its own cache entries
+    for name, make in variants.items():  # no Dynamo reset: each backend keeps its own cache entries
         backend = make()
         compiled = torch.compile(model, backend=backend)
         train, infer = make_steps(compiled)
@@ -172,6 +179,8 @@ def main_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=QWEN3_0_6B["vocab_size"])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), metavar="VARIANT",
+                        help=f"which to run besides plain Inductor (default: all of {', '.join(VARIANTS)})")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="smoke runs: skip the untimed warm-up")
     parser.add_argument("--runs", type=int, default=1,
                         help="repeat the whole measurement in this many fresh processes and report the ratios' "

@@ -34,6 +34,7 @@ CONFIGS = {  # name: (trainer backend, rla in vLLM, rla's sites)
     "vllm": ("inductor", True, None),
     "both": ("rla", True, None),
     **{f"both+{kind}": ("rla", True, [*DEFAULT_SITES, kind]) for kind in OPT_IN_SITES},
+    "all": ("rla", True, [*DEFAULT_SITES, *OPT_IN_SITES]),  # every site, both sides
 }
 METRICS = {
     "logp_diff_mean": "sampling/sampling_logp_difference/mean",
@@ -89,8 +90,8 @@ def worker(config: str, steps: int, seed: int, progress=sys.stdout) -> dict:
         backend = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if trainer_backend == "rla":
-                self.backend = rla_compile.Backend(options)
+            if trainer_backend == "rla":  # paired with vLLM's own kernels here, as enable() does
+                self.backend = rla_compile.Backend(rla_trl.paired_with_engine(rla_compile.Options.from_dict(options), args))
                 model.compile(backend=counted(self.backend))
             else:
                 model.compile(backend=counted(torch._dynamo.lookup_backend("inductor")))

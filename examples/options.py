@@ -1,4 +1,5 @@
-"""Options: align some sites only, run without codegen, pin all rounding, dump debug files.
+"""Options: align some sites only, run without codegen, pin all rounding, dump debug files,
+round a site toward zero.
 
     python examples/options.py
 """
@@ -59,3 +60,21 @@ except torch._dynamo.exc.BackendCompilerFailed as error:
     print("refused at the first call:", error.inner_exception)
 else:
     raise AssertionError("an unknown site name was accepted")
+
+# 5. `rounding`: how a site's one rounding rounds, per site. "nearest" is every cast in torch;
+#    "toward_zero" drops the low bits, as vLLM-CPU's attention kernel does on CPUs without
+#    AVX512-BF16 (measured: docs/vllm.md#attention). The TRL integration and `rla-compile
+#    mismatch` pair a trainer with the vLLM it samples from on their own; by hand:
+def attend(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+q, k, v = (torch.randn(1, 2, 16, 32).bfloat16() for _ in range(3))
+backend = rla_compile.Backend(sites=["attention"], rounding={"attention": "toward_zero"}, compiler="aot_eager")
+out = torch.compile(attend, backend=backend)(q, k, v)
+# the contract in fp32 (q x scale first, P never rounded), then the low 16 bits dropped
+scores = (q.float() * 32 ** -0.5) @ k.float().transpose(-1, -2)
+exact = torch.softmax(scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf")), -1) @ v.float()
+assert torch.equal(out, (exact.view(torch.int32) & -65536).view(torch.float32).bfloat16())
+assert not torch.equal(out, exact.bfloat16())  # to nearest, about half of the elements are one ulp up
+print(backend.reports[0].counts(), "rounding toward zero:", backend.options.rounding)

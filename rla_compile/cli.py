@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     mismatch.add_argument("model_dir", nargs="?", help="a local HF model directory (default: the shipped model)")
     mismatch.add_argument("--trainer",
                           help="training stack (default: hf-inductor:train); form engine-compiler[:dtype][:train]")
-    mismatch.add_argument("--inference", help="'vllm', 'hf' or a stack such as vllm-eager, hf-aot_eager "
+    mismatch.add_argument("--inference", help="'vllm', 'hf' or a stack such as vllm-eager, hf-aot_eager, "
+                                              "vllm-inductor:decode (the logprobs vLLM returns while generating) "
                                               "(default: vllm when installed, else hf = hf-aot_eager)")
     mismatch.add_argument("--ablation", action="store_true", help="align each site alone on both sides, then all")
     mismatch.add_argument("--prompts", type=whole_number(1), default=8, help="sequences (default: 8)")

@@ -13,6 +13,7 @@ import torch
 
 from rla_compile import bundled, mismatch
 from rla_compile.mismatch import Stack, compare_logprobs, localise
+from rla_compile.mismatch.stacks import score
 from rla_compile.mismatch.metrics import ulp_distance
 
 # Two positions over a vocabulary of 2. Trainer π: [.5, .5] then [.9, .1]; inference μ:
@@ -140,8 +141,16 @@ def test_ulp_distance_by_hand():
 
 
 def test_stack_labels_round_trip_and_bad_specs_say_what_to_write():
-    for text in ("hf-inductor+rla:train", "hf-aot_eager", "vllm-inductor+rla[rope,swiglu]", "hf-eager:float32"):
+    for text in ("hf-inductor+rla:train", "hf-aot_eager", "vllm-inductor+rla[rope,swiglu]", "hf-eager:float32",
+                 "vllm-inductor+rla:decode", "vllm-eager:float32:decode"):
         assert Stack.parse(text).label == text
+    assert Stack.parse("vllm-inductor:decode").decode and not Stack.parse("vllm-inductor").decode
+    with pytest.raises(ValueError, match="only engine 'vllm' has them"):
+        Stack.parse("hf-inductor:decode")
+    with pytest.raises(ValueError, match="decode stack vllm-inductor:decode generates each sequence after its prompt"):
+        score(Stack.parse("vllm-inductor:decode"), bundled.MODEL_DIR, torch.zeros(2, 8, dtype=torch.long), prompt_tokens=8)
+    with pytest.raises(ValueError, match="compare it at the logprobs"):
+        localise(Stack.parse("hf-inductor:train"), Stack.parse("vllm-inductor:decode"), torch.zeros(2, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="engine-compiler"):
         Stack.parse("inductor")
     with pytest.raises(ValueError, match="use compiler 'aot_eager'"):

@@ -172,6 +172,39 @@ def test_callback_compiles_the_trained_model():
     assert {s.status for s in report.sites} == {"rewritten"}
 
 
+def test_callback_pairs_the_trainer_with_the_engines_kernel_when_it_samples_with_vllm(monkeypatch):
+    """A trainer that samples with vLLM (`use_vllm`) rounds the attention site as vLLM's own
+    kernel does here (the probe, stood in for: the default run has no vLLM); without vLLM, or
+    with the user's own mode, the options stay as given."""
+    from types import SimpleNamespace
+
+    from rla_compile.integrations import trl as rla_trl
+    from rla_compile.integrations import vllm_kernels
+
+    monkeypatch.setitem(vllm_kernels.ROUNDING_PROBES, "cpu_attention", lambda: "toward_zero")
+    sites = ["rope", "attention"]
+    paired = rla_trl.paired_with_engine(Options.from_dict({"sites": sites}), SimpleNamespace(use_vllm=True))
+    assert paired.rounding == {"attention": "toward_zero"} and paired.sites == frozenset(sites)
+    for args, given in [(SimpleNamespace(use_vllm=False), {}), (SimpleNamespace(), {}),
+                        (SimpleNamespace(use_vllm=True), {"attention": "nearest"})]:
+        options = Options.from_dict({"sites": sites, "rounding": given})
+        assert rla_trl.paired_with_engine(options, args) is options
+    # a kernel that follows no mode (AMX: P in bf16) leaves the trainer at the contract's default
+    monkeypatch.setitem(vllm_kernels.ROUNDING_PROBES, "cpu_attention", lambda: None)
+    assert rla_trl.paired_with_engine(Options.from_dict({"sites": sites}), SimpleNamespace(use_vllm=True)).rounding == {}
+    # sites without an engine kernel never run a probe
+    monkeypatch.setitem(vllm_kernels.ROUNDING_PROBES, "cpu_attention", lambda: pytest.fail("probed"))
+    options = Options.from_dict({"sites": ["rope"]})
+    assert rla_trl.paired_with_engine(options, SimpleNamespace(use_vllm=True)) is options
+
+    # the callback compiles with the paired options
+    callback = rla_trl.RlaCallback(sites=["rmsnorm", "attention"], compiler="aot_eager")
+    monkeypatch.setitem(vllm_kernels.ROUNDING_PROBES, "cpu_attention", lambda: "toward_zero")
+    callback.on_train_begin(SimpleNamespace(use_vllm=True), None, None, model=bundled.load())
+    assert callback.backend.options.rounding == {"attention": "toward_zero"}
+    assert callback.options.rounding == {}  # the user's options, as given
+
+
 def test_enable_reaches_every_trainer_and_disable_undoes_it():
     from rla_compile.integrations import trl as rla_trl
 

@@ -196,6 +196,27 @@ def test_mismatch_tool_against_vllm(tmp_path):
 
 @pytestmark_vllm
 @pytest.mark.vllm
+def test_decode_stack_scores_the_tokens_as_vllm_generates_them():
+    """A `:decode` stack: vLLM generates each sequence's sampled part after its prompt, forced
+    to the sequence's tokens, and returns full distributions for every position; they are
+    distributions (log-sum-exp 0) and close to the same engine's prompt scoring, and the
+    prompt positions come from scoring the prompt."""
+    from rla_compile import bundled, mismatch
+    from rla_compile.mismatch import Stack
+    from rla_compile.mismatch.stacks import score
+
+    prompt_tokens = 12
+    sequences = mismatch.sample(bundled.MODEL_DIR, bundled.prompts(2, prompt_tokens), 8)
+    prefill = score(Stack.parse("vllm-inductor"), bundled.MODEL_DIR, sequences)["logprobs"]
+    decode = score(Stack.parse("vllm-inductor:decode"), bundled.MODEL_DIR, sequences, prompt_tokens=prompt_tokens)["logprobs"]
+    assert decode.shape == prefill.shape == (2, 19, prefill.shape[-1])
+    assert torch.isfinite(decode).all()
+    assert torch.allclose(decode.logsumexp(-1), torch.zeros(2, 19), atol=1e-4)
+    assert (decode - prefill).abs().max() < 0.05  # one engine, one weights: at most a few bf16 roundings apart
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
 def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
     """`compilation_config()` leaves the environment alone; a rotary layer keeps its table fp32
     when the config it is built under holds rla's pass with `rope`, and is stock otherwise."""

@@ -15,6 +15,9 @@ engine that samples for it. Two lines in a stock TRL script:
   training starts. (`TrainingArguments(torch_compile_backend="rla")` cannot do this:
   accelerate accepts only the backend names of its own `DynamoBackend` enum and raises
   `'RLA' is not a valid DynamoBackend`.)
+- **the engine's own kernels**: a selected site whose engine half is a vLLM kernel
+  (attention) has the trainer round as that kernel does on this machine, measured, when the
+  trainer samples with vLLM (`use_vllm`): `paired_with_engine`.
 - **weight sync on vLLM-CPU**: `fix_weight_sync()`, see there.
 - **logits** (only with `sites` including "logits"): TRL scores completions with its own
   chunked LM-head function, outside the compiled graph, in bf16 tiles; `align_logprob_head()`
@@ -46,7 +49,8 @@ from ..backend import Backend
 from ..config import Options
 from . import patching
 
-__all__ = ["Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable", "fix_weight_sync"]
+__all__ = ["Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable", "fix_weight_sync",
+           "paired_with_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +93,26 @@ class RlaCallback(_callback_base()):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise RuntimeError("RlaCallback: the Trainer passed no model to on_train_begin")
-        self.backend = compile_policy(_unwrap(model), self.options)
-        log.info("rla: the trained model is compiled in place with the rla backend (%s)", self.options)
+        options = paired_with_engine(self.options, args)
+        self.backend = compile_policy(_unwrap(model), options)
+        log.info("rla: the trained model is compiled in place with the rla backend (%s)", options)
+
+
+def paired_with_engine(options: Options, args: Any) -> Options:
+    """`options` for a trainer that samples with vLLM (`args.use_vllm`, TRL's config): the
+    selected sites whose engine half is one of vLLM's own kernels round as that kernel does on
+    this machine, measured (`vllm_kernels.paired_rounding`; attention on vLLM-CPU without
+    AVX512-BF16: toward zero); a `rounding` the user set wins. Otherwise `options` unchanged."""
+    if not getattr(args, "use_vllm", False):
+        return options
+    from .vllm_kernels import paired_rounding
+
+    rounding = paired_rounding(options)
+    if rounding == options.rounding:
+        return options
+    log.info("rla: the trainer's %s rounds as vLLM's own kernel does here (measured): %s",
+             ", ".join(sorted(rounding.keys() - options.rounding.keys())), rounding)
+    return dataclasses.replace(options, rounding=rounding)
 
 
 def _unwrap(model):

@@ -201,6 +201,11 @@ def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path 
     `Localisation.unchanged` says whether recording left its logprobs bit for bit the same."""
     from .. import bundled
 
+    for stack in (a, b):
+        if stack.decode:
+            raise ValueError(f"localise records the points of one forward over whole sequences; {stack.label} scores "
+                             "through decode steps: compare it at the logprobs (`rla-compile mismatch`), or localise "
+                             "its prefill form (without ':decode')")
     a, b = a.paired(b), b.paired(a)  # an HF trainer's sites round as vLLM's own kernels for them do here
     model_dir = Path(model_dir or bundled.MODEL_DIR)
     (first, lp_a), (second, lp_b) = _capture(a, model_dir, sequences), _capture(b, model_dir, sequences)

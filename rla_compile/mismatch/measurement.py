@@ -111,7 +111,7 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
     def logprobs(stack: Stack) -> torch.Tensor:
         if stack not in cache:
             with timed(say, f"scoring with {stack.label}" + (" (engine start + compile)" if stack.engine == "vllm" else "")):
-                result = score(stack, model_dir, sequences)
+                result = score(stack, model_dir, sequences, prompt_tokens=prompt_tokens)
             cache[stack] = result["logprobs"][:, scored].reshape(-1, result["logprobs"].shape[-1])
             if stack.sites is not None:
                 reports = [GraphReport.from_dict(r) for r in result["reports"]]

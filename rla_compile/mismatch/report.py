@@ -25,8 +25,9 @@ def legend() -> str:
         "δ = log π_trainer − log μ_inference per sampled token. k3 KL = mean(e^δ−1−δ), k1 = mean(−δ), |Δlp| = |δ|, "
         "|Δp| = |π−μ| at the token, RMS δ, E exp|δ| = mean e^|δ|, KL full = exact KL(μ‖π) over the vocabulary, "
         "bitwise= = tokens with identical fp32 logprobs.\n"
-        "Stacks are engine-compiler[+rla[sites]][:dtype][:train]: hf-inductor:train = HF's training forward under "
-        "torch.compile (Inductor), hf-aot_eager = HF with eager kernels, vllm-inductor = vLLM's compiled path; +rla = "
+        "Stacks are engine-compiler[+rla[sites]][:dtype][:train|:decode]: hf-inductor:train = HF's training forward under "
+        "torch.compile (Inductor), hf-aot_eager = HF with eager kernels, vllm-inductor = vLLM's compiled path "
+        "(scoring the sequences as prompts; :decode = the logprobs vLLM returns while generating them); +rla = "
         f"rla aligns the default sites ({', '.join(registry.DEFAULT_SITES)}); +rla[...] names them, opt-in sites "
         f"included ({opt_in})."
     )

@@ -32,7 +32,11 @@ class Stack:
 
     engine "hf": compiler "eager" (no torch.compile), "aot_eager" (compiled, eager kernels) or
     "inductor"; `train` runs the training-mode forward with autograd on.
-    engine "vllm": compiler "inductor" (vLLM's compiled path) or "eager" (enforce_eager).
+    engine "vllm": compiler "inductor" (vLLM's compiled path) or "eager" (enforce_eager);
+    `decode` scores the sampled part of each sequence as RL sees it: the logprobs vLLM returns
+    while it generates it (the prompt's prefill, then one decode step per token, every sequence
+    in one batch, KV cache), each step forced to the sequence's token; without it, vLLM
+    scores the whole sequence as one prompt (prefill, `prompt_logprobs`).
     `rounding`: (site kind, mode) pairs for rla's option `rounding`, written `kind~mode` in the
     label's site list (`+rla[rope,attention~toward_zero]`); `paired` fills them in for an HF
     trainer compared with vLLM, as measured on this machine.
@@ -44,6 +48,7 @@ class Stack:
     train: bool = False
     dtype: str = "bfloat16"  # the weights' and activations' dtype
     rounding: tuple[tuple[str, str], ...] = ()
+    decode: bool = False
 
     def __post_init__(self):
         compilers = {"hf": HF_COMPILERS, "vllm": VLLM_COMPILERS}.get(self.engine)
@@ -68,6 +73,9 @@ class Stack:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {list(DTYPES)}")
         if self.train and self.engine != "hf":
             raise ValueError("train=True is a training-mode forward: only engine 'hf' has one")
+        if self.decode and self.engine != "vllm":
+            raise ValueError("decode=True scores through vLLM's decode steps: only engine 'vllm' has them "
+                             "(an HF stack scores every position in one forward)")
 
     def with_sites(self, sites) -> "Stack":
         sites = None if sites is None else tuple(sites)
@@ -87,30 +95,32 @@ class Stack:
 
     @property
     def label(self) -> str:
-        """`engine-compiler[+rla[sites]][:dtype][:train]`, the form `parse` reads."""
+        """`engine-compiler[+rla[sites]][:dtype][:train|:decode]`, the form `parse` reads."""
         modes = dict(self.rounding)
         listed = ",".join(f"{s}~{modes[s]}" if s in modes else s for s in self.sites or ())
         rla = ("" if self.sites is None else "+rla" if set(self.sites) == set(registry.DEFAULT_SITES) and not modes
                else f"+rla[{listed}]")
         dtype = "" if self.dtype == "bfloat16" else f":{self.dtype}"
-        return f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}"
+        return f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}{':decode' if self.decode else ''}"
 
     @classmethod
     def parse(cls, text: str) -> "Stack":
         """'hf-inductor', 'hf-aot_eager+rla', 'hf-inductor+rla[rope,swiglu]:train', 'vllm-inductor+rla',
-        'hf-eager:float32', 'hf-inductor+rla[rope,attention~toward_zero]:train'."""
+        'hf-eager:float32', 'hf-inductor+rla[rope,attention~toward_zero]:train', 'vllm-inductor+rla:decode'."""
         head, *flags = text.split(":")
-        unknown = [f for f in flags if f != "train" and f not in DTYPES]
+        unknown = [f for f in flags if f not in ("train", "decode") and f not in DTYPES]
         engine, _, rest = head.partition("-")
         compiler, plus, rla = rest.partition("+")
         if unknown or not compiler or (plus and not (rla == "rla" or (rla.startswith("rla[") and rla.endswith("]")))):
-            raise ValueError(f"cannot read stack {text!r}: write engine-compiler[+rla[sites]][:dtype][:train], "
-                             "e.g. hf-inductor+rla:train, hf-aot_eager, vllm-inductor+rla[rope,swiglu], hf-eager:float32")
+            raise ValueError(f"cannot read stack {text!r}: write engine-compiler[+rla[sites]][:dtype][:train|:decode], "
+                             "e.g. hf-inductor+rla:train, hf-aot_eager, vllm-inductor+rla[rope,swiglu], hf-eager:float32, "
+                             "vllm-inductor+rla:decode")
         items = [] if not plus or rla == "rla" else [s for s in rla[4:-1].split(",") if s]
         sites = None if not plus else tuple(registry.DEFAULT_SITES) if rla == "rla" else tuple(s.partition("~")[0] for s in items)
         rounding = tuple((kind, mode) for kind, _, mode in (s.partition("~") for s in items) if mode)
         dtype = next((f for f in flags if f in DTYPES), "bfloat16")
-        return cls(engine, compiler, sites, train="train" in flags, dtype=dtype, rounding=rounding)
+        return cls(engine, compiler, sites, train="train" in flags, dtype=dtype, rounding=rounding,
+                   decode="decode" in flags)
 
 
 def has_vllm() -> bool:
@@ -129,11 +139,13 @@ def require_vllm(what: str) -> None:
         raise ImportError(f"{what} needs vLLM: {INSTALL}")
 
 
-def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None) -> dict:
-    """{"logprobs": [B, T-1, V] fp32 log-distributions of positions 1..T-1, "reports": [...]}."""
+def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None,
+          prompt_tokens: int | None = None) -> dict:
+    """{"logprobs": [B, T-1, V] fp32 log-distributions of positions 1..T-1, "reports": [...]}.
+    A `decode` stack generates each sequence after its first `prompt_tokens` (required there)."""
     if stack.engine == "hf":
         return hf_logprobs(stack, model_dir, sequences)
-    return vllm_logprobs(stack, model_dir, sequences, workdir)
+    return vllm_logprobs(stack, model_dir, sequences, workdir, prompt_tokens)
 
 
 def hf_runner(stack: Stack, model):
@@ -170,22 +182,27 @@ def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> dict:
     return {"logprobs": logprobs, "reports": [r.to_dict() for r in rla.reports] if rla else []}
 
 
-def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None) -> dict:
+def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None,
+                  prompt_tokens: int | None = None) -> dict:
     """Score in a fresh process: each engine gets its own compile caches and environment (the
     fp32 RoPE tables are switched per process), and vLLM's globals never leak between stacks."""
-    return run_vllm_worker("rla_compile.mismatch.vllm_worker", stack, model_dir, sequences, workdir)
+    return run_vllm_worker("rla_compile.mismatch.vllm_worker", stack, model_dir, sequences, workdir, prompt_tokens)
 
 
 def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch.Tensor,
-                    workdir: Path | None = None) -> dict:
+                    workdir: Path | None = None, prompt_tokens: int | None = None) -> dict:
     """Run `python -m module REQUEST.json` for `stack` in a fresh process (in-process engine,
     fresh vLLM and Inductor caches) and return what it saved."""
+    if stack.decode and not (prompt_tokens and 0 < prompt_tokens < sequences.shape[1]):
+        raise ValueError(f"the decode stack {stack.label} generates each sequence after its prompt: give "
+                         f"prompt_tokens between 1 and {sequences.shape[1] - 1}, got {prompt_tokens!r}")
     require_vllm("the vLLM stack")
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
         request = {"model_dir": str(model_dir), "sequences": sequences.tolist(), "compiled": stack.compiler == "inductor",
                    "dtype": stack.dtype,
-                   "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt")}
+                   "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt"),
+                   "decode_after": prompt_tokens if stack.decode else None}
         (tmp / "request.json").write_text(json.dumps(request))
         env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "vllm_cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
         env.pop("RLA_VLLM_FP32_ROPE", None)

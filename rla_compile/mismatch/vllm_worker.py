@@ -1,6 +1,10 @@
 """Runs in its own process for `stacks.vllm_logprobs`: starts a vLLM engine on the model with
 rla on the requested sites (or off), scores the sequences teacher-forced (prompt logprobs over
-the full vocabulary) and saves the log-distributions.
+the full vocabulary) and saves the log-distributions. With `decode_after` (a `decode` stack),
+the part of each sequence after that many tokens is scored as vLLM generates it: one decode
+step per token, every sequence in one batch, each step forced to the sequence's token by a
+logits processor (`ForcedTokens`); the logprobs are vLLM's raw ones, from the logits before
+any processor, as RL trainers receive them.
 
     python -m rla_compile.mismatch.vllm_worker REQUEST.json
 """
@@ -13,15 +17,46 @@ import sys
 import torch
 
 
+def forced_tokens_processor():
+    """A vLLM logits processor class that makes each request generate the tokens in its
+    `SamplingParams.extra_args["rla_forced"]`: at step n every logit but the n-th token's is
+    -inf. vLLM's raw logprobs (the default `logprobs_mode`) are taken before it runs."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ForcedTokens(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            forced = (params.extra_args or {}).get("rla_forced")
+            if forced is None:
+                return None
+
+            def force(output_ids, logits):
+                step = len(output_ids)
+                if step >= len(forced):
+                    raise RuntimeError(f"ForcedTokens: step {step} of a request forced to {len(forced)} tokens")
+                keep = logits[forced[step]].clone()
+                logits.fill_(float("-inf"))
+                logits[forced[step]] = keep
+                return logits
+
+            return force
+
+    return ForcedTokens
+
+
 def engine(request: dict):
     """The vLLM engine the request describes, and its compilation config (None: rla off)."""
     from vllm import LLM
 
     config, extra = None, {}
+    if request.get("decode_after"):
+        extra["logits_processors"] = [forced_tokens_processor()]
     if request["sites"] is not None:
         from ..integrations import vllm as rla_vllm
 
-        extra = rla_vllm.engine_kwargs(sites=request["sites"])
+        extra.update(rla_vllm.engine_kwargs(sites=request["sites"]))
         config = extra["compilation_config"]
     sequences = request["sequences"]
     llm = LLM(model=request["model_dir"], dtype=request["dtype"], max_model_len=max(len(s) for s in sequences) + 8,
@@ -48,6 +83,33 @@ def prompt_logprobs(llm, sequences: list[list[int]]) -> torch.Tensor:
     return logprobs
 
 
+def decode_logprobs(llm, sequences: list[list[int]], prompt_tokens: int) -> torch.Tensor:
+    """[B, T-1, V] fp32: positions 1..prompt_tokens-1 from prompt scoring, the rest the full
+    logprobs vLLM returned for each generated (forced) token, all sequences generated together."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    total = len(sequences[0])
+    params = [SamplingParams(max_tokens=total - prompt_tokens, min_tokens=total - prompt_tokens, ignore_eos=True,
+                             logprobs=-1, prompt_logprobs=-1, detokenize=False, temperature=1.0,
+                             extra_args={"rla_forced": s[prompt_tokens:]}) for s in sequences]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=s[:prompt_tokens]) for s in sequences], params, use_tqdm=False)
+    logprobs = torch.full((len(sequences), total - 1, vocab), float("nan"))
+    for row, (out, sequence) in enumerate(zip(outputs, sequences)):
+        generated = out.outputs[0]
+        if list(generated.token_ids) != sequence[prompt_tokens:]:
+            raise RuntimeError(f"sequence {row}: vLLM generated other tokens than the forced ones "
+                               f"({list(generated.token_ids)[:8]}... vs {sequence[prompt_tokens:][:8]}...)")
+        steps = [*out.prompt_logprobs[1:], *generated.logprobs]
+        for pos, dist in enumerate(steps):
+            ids = torch.tensor(list(dist.keys()))
+            logprobs[row, pos, ids] = torch.tensor([lp.logprob for lp in dist.values()], dtype=torch.float32)
+    if torch.isnan(logprobs).any():
+        raise RuntimeError("vLLM returned fewer than the full vocabulary of logprobs while decoding")
+    return logprobs
+
+
 def reports(config) -> list[dict]:
     return [r.to_dict() for r in config["inductor_compile_config"]["post_grad_custom_post_pass"].reports] if config else []
 
@@ -55,7 +117,10 @@ def reports(config) -> list[dict]:
 def main(request_path: str) -> None:
     request = json.loads(open(request_path).read())
     llm, config = engine(request)
-    logprobs = prompt_logprobs(llm, request["sequences"])
+    if request.get("decode_after"):
+        logprobs = decode_logprobs(llm, request["sequences"], request["decode_after"])
+    else:
+        logprobs = prompt_logprobs(llm, request["sequences"])
     torch.save({"logprobs": logprobs, "reports": reports(config)}, request["out"])
 
 
