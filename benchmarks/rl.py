@@ -73,6 +73,7 @@ def worker(config: str, steps: int, seed: int, progress=sys.stdout) -> dict:
     if sites and "logits" in sites:
         rla_trl.align_logprob_head()  # TRL's own logprob head, outside the compiled graph
     rla_trl.fix_weight_sync()
+    rla_trl.fix_checkpointing_hooks()  # every configuration: else the compiled policy turns eager after 8 steps
     compiles = {"graphs": 0, "seconds": 0.0}
 
     def counted(backend):

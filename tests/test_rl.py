@@ -205,6 +205,44 @@ def test_callback_pairs_the_trainer_with_the_engines_kernel_when_it_samples_with
     assert callback.options.rounding == {}  # the user's options, as given
 
 
+def test_checkpointing_hooks_do_not_pile_up_and_the_policy_stays_compiled():
+    """transformers adds an input-grad hook at every `gradient_checkpointing_enable()` and keeps
+    the old ones; TRL toggles checkpointing every step, so a compiled policy recompiles every
+    step and turns eager (no rla) after Dynamo's recompile limit. With `fix_checkpointing_hooks`
+    one hook stays, and the policy compiles twice (grad on, grad off) however often it toggles."""
+    import torch
+    from transformers import PreTrainedModel
+
+    import rla_compile
+    from rla_compile.integrations import trl as rla_trl
+
+    library_own = PreTrainedModel.enable_input_require_grads
+    model = bundled.load()
+    for _ in range(3):
+        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_disable()
+    assert len(model.model.embed_tokens._forward_hooks) == 3  # transformers' own: one more per enable
+    assert rla_trl.fix_checkpointing_hooks()
+    try:
+        model = bundled.load()
+        model.train()
+        backend = rla_compile.Backend(compiler="aot_eager")
+        model.compile(backend=backend)
+        ids = torch.tensor(bundled.prompts(2, 16))
+        for _ in range(torch._dynamo.config.recompile_limit + 2):  # as TRL: off around scoring, on for the step
+            model.gradient_checkpointing_disable()
+            with torch.no_grad():
+                model(ids, use_cache=False)
+            model.gradient_checkpointing_enable()
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        assert len(model.model.embed_tokens._forward_hooks) == 1
+        assert len(backend.reports) == 2 and all(r.counts() for r in backend.reports)
+        assert model.model.embed_tokens.weight.grad is not None
+    finally:
+        rla_trl.disable()
+    assert PreTrainedModel.enable_input_require_grads is library_own
+
+
 def test_enable_reaches_every_trainer_and_disable_undoes_it():
     from rla_compile.integrations import trl as rla_trl
 

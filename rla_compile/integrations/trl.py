@@ -18,6 +18,8 @@ engine that samples for it. Two lines in a stock TRL script:
 - **the engine's own kernels**: a selected site whose engine half is a vLLM kernel
   (attention) has the trainer round as that kernel does on this machine, measured, when the
   trainer samples with vLLM (`use_vllm`): `paired_with_engine`.
+- **gradient checkpointing's hooks**: `fix_checkpointing_hooks()`, see there (without it the
+  compiled policy falls back to eager, without rla, after 8 steps of TRL).
 - **weight sync on vLLM-CPU**: `fix_weight_sync()`, see there.
 - **logits** (only with `sites` including "logits"): TRL scores completions with its own
   chunked LM-head function, outside the compiled graph, in bf16 tiles; `align_logprob_head()`
@@ -49,8 +51,8 @@ from ..backend import Backend
 from ..config import Options
 from . import patching
 
-__all__ = ["Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable", "fix_weight_sync",
-           "paired_with_engine"]
+__all__ = ["Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable",
+           "fix_checkpointing_hooks", "fix_weight_sync", "paired_with_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +182,40 @@ def fix_weight_sync() -> bool:
     return True
 
 
+def fix_checkpointing_hooks() -> bool:
+    """Keep a compiled policy compiled under TRL's gradient checkpointing; returns whether
+    transformers' function was found and patched.
+
+    Why: transformers (checked: 5.19) has `gradient_checkpointing_enable()` call
+    `enable_input_require_grads()`, which adds a forward hook to the input embeddings and
+    forgets the hooks an earlier call added, while `gradient_checkpointing_disable()` removes
+    them only for PEFT models. TRL (1.16) switches checkpointing off and on around its
+    no-grad scoring every step, so every step adds one more hook. A compiled model's guards
+    count the module's hooks: each step recompiles, and after Dynamo's `recompile_limit`
+    (8) it runs the model eagerly for the rest of training — no Inductor and no rla, and the
+    only sign is one warning in the log (measured with TRL GRPO: rla's gap came back at step
+    5). The fix: `enable_input_require_grads` first removes the hooks its previous call
+    added, so the model has one such hook, as after the first call. Applies to every
+    `PreTrainedModel`; `disable()` undoes it."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    original = patching.original(PreTrainedModel, "enable_input_require_grads", None)
+    if original is None or not hasattr(PreTrainedModel, "disable_input_require_grads"):
+        log.warning("rla: transformers' PreTrainedModel has no enable/disable_input_require_grads (a transformers "
+                    "other than 5.x?); gradient checkpointing's input hooks are left as transformers adds them")
+        return False
+
+    @functools.wraps(original)
+    def enable_input_require_grads(self):
+        self.disable_input_require_grads()  # the hooks the previous call added (no-op the first time)
+        return original(self)
+
+    patching.patch(PreTrainedModel, "enable_input_require_grads", enable_input_require_grads)
+    return True
+
+
 def align_logprob_head() -> bool:
     """The trainer half of the logits site for TRL; returns whether TRL's function was found.
 
@@ -255,6 +291,9 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
     if trainer:
         _add_callback_to_every_trainer(opts)
         status.on.append("RlaCallback on every transformers.Trainer built afterwards")
+        if fix_checkpointing_hooks():
+            status.on.append("one input-grad hook under gradient checkpointing (fix_checkpointing_hooks: "
+                             "the policy stays compiled)")
         if trl:
             status.on.append("TRL's trainers (they derive from transformers.Trainer)")
         else:
