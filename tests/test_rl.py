@@ -201,6 +201,7 @@ def test_callback_pairs_the_trainer_with_the_engines_kernel_when_it_samples_with
     callback = rla_trl.RlaCallback(sites=["rmsnorm", "attention"], compiler="aot_eager")
     monkeypatch.setitem(vllm_kernels.ROUNDING_PROBES, "cpu_attention", lambda: "toward_zero")
     callback.on_train_begin(SimpleNamespace(use_vllm=True), None, None, model=bundled.load())
+    callback.on_train_end(None, None, None)
     assert callback.backend.options.rounding == {"attention": "toward_zero"}
     assert callback.options.rounding == {}  # the user's options, as given
 
@@ -241,6 +242,34 @@ def test_checkpointing_hooks_do_not_pile_up_and_the_policy_stays_compiled():
     finally:
         rla_trl.disable()
     assert PreTrainedModel.enable_input_require_grads is library_own
+
+
+def test_callback_says_when_dynamo_gives_up_on_the_policy(caplog):
+    """Dynamo's recompile limit turns a compiled function eager, without rla, with one line in
+    Dynamo's log: while training, the callback says it on rla's logger and keeps it."""
+    import logging
+
+    import torch
+
+    from rla_compile.integrations import trl as rla_trl
+
+    callback = rla_trl.RlaCallback(compiler="aot_eager")
+    callback.on_train_begin(None, None, None, model=bundled.load())
+
+    def step(x):
+        return x * 2
+
+    compiled = torch.compile(step, backend=callback.backend, dynamic=False)
+    with caplog.at_level(logging.WARNING), torch._dynamo.config.patch(recompile_limit=2):
+        for n in range(1, 5):  # a new static shape each call: the third recompile is over the limit
+            compiled(torch.ones(n))
+    callback.on_train_end(None, None, None)
+    (hit,) = callback.eager_fallbacks.hits
+    assert "recompile_limit" in hit and "'step'" in hit
+    (said,) = [r for r in caplog.records if r.name == rla_trl.__name__ and "WITHOUT rla's sites" in r.getMessage()]
+    assert said.levelno == logging.WARNING and "function: 'step'" in said.getMessage()
+    # detached at the end of training
+    assert callback.eager_fallbacks not in logging.getLogger(rla_trl.EagerFallbacks.LOGGER).handlers
 
 
 def test_enable_reaches_every_trainer_and_disable_undoes_it():

@@ -51,7 +51,7 @@ from ..backend import Backend
 from ..config import Options
 from . import patching
 
-__all__ = ["Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable",
+__all__ = ["EagerFallbacks", "Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable",
            "fix_checkpointing_hooks", "fix_weight_sync", "paired_with_engine"]
 
 log = logging.getLogger(__name__)
@@ -81,23 +81,63 @@ def _callback_base() -> type:
     return TrainerCallback
 
 
+class EagerFallbacks(logging.Handler):
+    """Dynamo's "hit config.recompile_limit" warnings while it is attached to Dynamo's logger:
+    from such a warning on, the function it names runs eagerly, without the rla backend.
+    The first for each function is kept (`.hits`: the warning's text) and said again on rla's
+    logger, with what it means for the sites."""
+
+    LOGGER = "torch._dynamo.convert_frame"
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "torch._dynamo hit config." not in message or "recompile_limit" not in message:
+            return
+        lines = [line.strip() for line in message.splitlines()]
+        function = next((line for line in lines if line.startswith("function:")), "function: ?")
+        reason = next((line for line in lines if line.startswith("last reason:")), "last reason: ?")
+        if any(function in hit for hit in self.hits):
+            return  # Dynamo says it again at every call of that function: once is enough
+        self.hits.append(message)
+        log.warning("rla: Dynamo stopped compiling the policy's %s (its recompile limit; %s): from here on it runs "
+                    "eagerly, WITHOUT rla's sites. TORCH_LOGS=recompiles says why it recompiled.", function, reason)
+
+    def __enter__(self) -> "EagerFallbacks":
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)
+
+
 class RlaCallback(_callback_base()):
     """A `TrainerCallback` that compiles the trained model in place with the rla backend when
     training starts (HF `Trainer` and every TRL trainer): `callbacks=[RlaCallback()]`.
     `.backend.reports` has the reports; each graph's summary also goes to the `rla_compile`
-    logger."""
+    logger. While training runs, Dynamo giving up on the policy (its recompile limit: the
+    model then runs eagerly, without rla) is said on rla's logger as a warning and kept in
+    `.eager_fallbacks.hits`."""
 
     def __init__(self, options: Options | None = None, /, **kwargs: Any):
         # RlaCallback(sites=[...]) or, options already parsed, RlaCallback(Options(...))
         self.options = Options.from_dict(kwargs) if options is None else options
         self.backend: Backend | None = None
+        self.eager_fallbacks = EagerFallbacks()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise RuntimeError("RlaCallback: the Trainer passed no model to on_train_begin")
         options = paired_with_engine(self.options, args)
         self.backend = compile_policy(_unwrap(model), options)
+        self.eager_fallbacks.__enter__()
         log.info("rla: the trained model is compiled in place with the rla backend (%s)", options)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.eager_fallbacks.__exit__(None, None, None)
 
 
 def paired_with_engine(options: Options, args: Any) -> Options:
