@@ -3,6 +3,9 @@
 random bf16 weights, a training step (SGD) and an inference forward on one sequence of 256 tokens.
 
     python -m benchmarks.real_shape --json benchmarks/results/real_shape_cpu.json
+    python -m benchmarks.real_shape --variants rla "rla + attention" --json benchmarks/results/real_shape_attention_256_cpu.json
+    python -m benchmarks.real_shape --tokens 2048 --reps 2 --variants rla "rla + attention" \
+        --json benchmarks/results/real_shape_attention_2048_cpu.json
     python -m benchmarks.real_shape --layers 1 --hidden 64 --vocab 512 --tokens 16 --reps 1 --no-warm-up  # smoke
 
 One model, compiled per variant (plain Inductor, rla, rla + the opt-in `logits` site), caches

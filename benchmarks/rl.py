@@ -1,9 +1,12 @@
-"""TRL GRPO on the shipped model with a colocated vLLM engine, in four configurations:
+"""TRL GRPO on the shipped model with a colocated vLLM engine, configuration by configuration.
 stock (policy compiled in place with plain Inductor, stock vLLM), rla on the trainer only, rla
-in vLLM only, rla on both. Logs TRL's per-step mismatch metrics, reward and step time.
+in vLLM only, rla on both, on both with each opt-in site (both+logits, both+attention), every
+site on both (all). Logs TRL's per-step mismatch metrics, reward and step time.
 
     python -m benchmarks.rl [--steps 20] [--seeds 0 1 2] [--configs stock both] [--json out.json]
     python -m benchmarks.rl --steps 30 --seeds 0 1 2 --json benchmarks/results/rl_cpu.json --plot benchmarks/results/rl_cpu.png
+    python -m benchmarks.rl --steps 30 --seeds 0 1 2 --configs stock both+logits all \
+        --json benchmarks/results/rl_attention_cpu.json --plot benchmarks/results/rl_attention_cpu.png   # every site
 
 Each (configuration, seed) runs in a fresh process (a vLLM engine and rla's switches are per
 process), with fresh compile caches, on the settings of examples/grpo_trl.py (8 prompts x 4
@@ -143,8 +146,9 @@ def worker(config: str, steps: int, seed: int, progress=sys.stdout) -> dict:
     sites = None
     if trainer_backend == "rla" and callback.backend is not None:
         sites = [r.counts() for r in callback.backend.reports if r.sites]
-    return {"config": config, "seed": seed, "steps": rows, "trainer_sites": sites, "compiled_graphs": compiles["graphs"],
-            "compile_seconds": compiles["seconds"]}
+    rounding = dict(callback.backend.options.rounding) if trainer_backend == "rla" and callback.backend else None
+    return {"config": config, "seed": seed, "steps": rows, "trainer_sites": sites, "trainer_rounding": rounding,
+            "compiled_graphs": compiles["graphs"], "compile_seconds": compiles["seconds"]}
 
 
 def run(config: str, steps: int, seed: int) -> dict:

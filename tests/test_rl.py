@@ -478,20 +478,25 @@ def test_grpo_trl_with_rla_on_both_sides(tmp_path):
 
 @pytest.mark.rl
 def test_rl_benchmark_smoke(tmp_path):
-    """`python -m benchmarks.rl` at its smallest: the fullest configuration (rla and the logits site on
-    both sides), one step, the progress line, the table and the JSON."""
+    """`python -m benchmarks.rl` at its smallest: the fullest configuration (every site on both
+    sides, the trainer's attention paired with vLLM's kernel), one step, the progress line, the
+    table and the JSON."""
     pytest.importorskip("trl")
     pytest.importorskip("vllm")
     from benchmarks.common import module_command, module_env
 
-    done = subprocess.run(module_command("benchmarks.rl", "--steps", "1", "--configs", "both+logits", "--json", str(tmp_path / "rl.json")),
+    done = subprocess.run(module_command("benchmarks.rl", "--steps", "1", "--configs", "all", "--json", str(tmp_path / "rl.json")),
                           capture_output=True, text=True, cwd=tmp_path, env=module_env(), timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     (result,) = json.loads((tmp_path / "rl.json").read_text())["results"]
-    assert result["config"] == "both+logits" and result["compiled_graphs"] >= 1
-    assert any(counts.get("rope") == 8 for counts in result["trainer_sites"])
+    assert result["config"] == "all" and result["compiled_graphs"] >= 1
+    assert any(counts.get("rope") == 8 and counts.get("attention") == 4 for counts in result["trainer_sites"])
+    from rla_compile.integrations.vllm_kernels import cpu_attention_kernel
+
+    mode = cpu_attention_kernel()[1]  # this machine's kernel, measured: the trainer rounds as it does
+    assert result["trainer_rounding"] == ({} if mode in (None, "nearest") else {"attention": mode})
     (step,) = result["steps"]
     assert step["step"] == 1 and 0 < step["logp_diff_mean"] <= step["logp_diff_max"] and step["step_time"] > 0
     assert step["k3"] > 0  # on the same tokens as TRL's metric
-    assert "both+logits seed 0 step 1/1: logp-diff mean" in done.stderr  # the progress line
-    assert done.stdout.splitlines()[1].startswith("both+logits")
+    assert "all seed 0 step 1/1: logp-diff mean" in done.stderr  # the progress line
+    assert done.stdout.splitlines()[1].startswith("all")
