@@ -192,6 +192,10 @@ def test_callback_pairs_the_trainer_with_the_engines_kernel_when_it_samples_with
     # a kernel that follows no mode (AMX: P in bf16) leaves the trainer at the contract's default
     monkeypatch.setitem(vllm_kernels.ROUNDING_PROBES, "cpu_attention", lambda: None)
     assert rla_trl.paired_with_engine(Options.from_dict({"sites": sites}), SimpleNamespace(use_vllm=True)).rounding == {}
+    # a vLLM server runs elsewhere: its kernel is not measured here (a warning says what to do)
+    server = SimpleNamespace(use_vllm=True, vllm_mode="server")
+    options = Options.from_dict({"sites": sites})
+    assert rla_trl.paired_with_engine(options, server) is options
     # sites without an engine kernel never run a probe
     monkeypatch.setitem(vllm_kernels.ROUNDING_PROBES, "cpu_attention", lambda: pytest.fail("probed"))
     options = Options.from_dict({"sites": ["rope"]})

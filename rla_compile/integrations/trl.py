@@ -147,6 +147,16 @@ def paired_with_engine(options: Options, args: Any) -> Options:
     AVX512-BF16: toward zero); a `rounding` the user set wins. Otherwise `options` unchanged."""
     if not getattr(args, "use_vllm", False):
         return options
+    from .. import sites as registry
+
+    if not any(site.engine_rounding and site.kind not in options.rounding for site in registry.selected(options.sites)):
+        return options  # nothing to measure
+    if getattr(args, "vllm_mode", "colocate") != "colocate":
+        log.warning("rla: the trainer samples from a vLLM server (vllm_mode=%r): how its attention kernel rounds is "
+                    "measured where it runs, not here; run `rla_compile.integrations.vllm.cpu_attention_kernel()` "
+                    "there and pass its mode as rla's option rounding={'attention': ...} (the trainer rounds to "
+                    "nearest until then)", getattr(args, "vllm_mode", None))
+        return options
     from .vllm_kernels import paired_rounding
 
     rounding = paired_rounding(options)
