@@ -10,6 +10,7 @@ tensors, so later passes (AOTAutograd, Inductor) read dtypes and shapes as for a
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch.fx import Graph, Node
@@ -129,6 +130,25 @@ class Emitter:
             return x
         wide = self.call(aten.expand.default, self.call(aten.unsqueeze.default, x, 2), [-1, -1, groups, -1, -1])
         return self.call(aten.flatten.using_ints, wide, 1, 2, name=f"{x.name}_repeated")
+
+    def laid_out_like(self, value: Node, like: Any) -> Node:
+        """`value` with the memory layout (stride order) of `like`, the value it replaces: the
+        graph may rely on it — a `.transpose(1, 2).contiguous()` that Dynamo dropped because
+        SDPA's output was already laid out [B, T, H, D], then a `view`. A permute, a
+        contiguous copy and the inverse permute; nothing when the layouts agree or a stride
+        is symbolic (dynamic shapes: the graph then does not rely on a static layout)."""
+        new = value.meta.get("val")
+        if not isinstance(like, torch.Tensor) or not isinstance(new, torch.Tensor) or like.dim() != new.dim():
+            return value
+        strides = like.stride()
+        if not all(isinstance(x, int) for x in (*strides, *like.shape)) or tuple(new.stride()) == tuple(strides):
+            return value
+        order = sorted(range(like.dim()), key=lambda d: (-strides[d], d))  # outermost in memory first
+        if order == list(range(like.dim())):
+            return value
+        physical = self.call(aten.permute.default, value, order)
+        dense = self.call(aten.clone.default, physical, memory_format=torch.contiguous_format)
+        return self.call(aten.permute.default, dense, [order.index(d) for d in range(like.dim())])
 
     def above_diagonal(self, rows: int, cols: int, device: torch.device) -> Node:
         """bool[rows, cols], True strictly above the diagonal: what a causal mask removes

@@ -233,6 +233,7 @@ class Rewriter:
             ops.tag_rounding(value, match.kind)
         # else the graph's own rounding of the fp32 output is the site's one rounding
         own = [] if dtype in ops.LOW_PRECISION else [u for u in output.users if ops.is_cast(u) and ops.is_low_precision(u)]
+        value = emitter.laid_out_like(value, output.meta.get("val"))  # users may rely on the output's layout
         output.replace_all_uses_with(value)
         for cast in own:
             self._own_rounding(cast, match.kind)

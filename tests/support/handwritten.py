@@ -99,9 +99,11 @@ class Decoder(nn.Module):
         return self.head(normed)
 
     def expected_sites(self) -> dict[str, int]:
-        """The first block's first norm reads the embedding; every other norm reads a residual sum."""
+        """The first block's first norm reads the embedding; every other norm reads a residual sum;
+        one attention per block."""
         layers = self.c.layers
-        return {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers, "logits": 1}
+        return {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers, "logits": 1,
+                "attention": layers}
 
 
 # -- gpt-fast ---------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ from __future__ import annotations
 from rla_compile.tiny import tiny_causal_lm  # noqa: F401  (re-exported for the tests)
 
 
-def expected_sites(config, logits: bool = False) -> dict[str, int]:
-    """Sites per kind for a tiny HF config: the default sites, and with `logits` the head too.
+def expected_sites(config, logits: bool = False, attention: bool = False) -> dict[str, int]:
+    """Sites per kind for a tiny HF config: the default sites, with `logits` the head too and
+    with `attention` each layer's attention.
 
     Every layer has two norms that read a residual sum except the first layer's input norm;
     the final norm reads the last sum. RoPE rotates q and k per layer; one gated MLP per layer;
@@ -25,4 +26,6 @@ def expected_sites(config, logits: bool = False) -> dict[str, int]:
         counts["swiglu"] = dense + (layers - dense) * (1 + (config.n_shared_experts > 0))
     if logits:
         counts["logits"] = 1
+    if attention:
+        counts["attention"] = layers
     return counts

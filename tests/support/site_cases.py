@@ -589,6 +589,16 @@ def attn_math(q, k, v, mask):  # SDPA's math path
     return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask)[0]
 
 
+def attn_sdpa_merged_heads(q, k, v):  # torchtune's: a view that relies on SDPA's output layout, [B, T, H, D]
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))  # heads from a [B, T, H * D] projection
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).contiguous().view(q.shape[0], q.shape[2], -1)
+
+
+def attn_sdpa_merged_heads_reference(q, k, v):
+    return ref.attention(q, k, v, causal=True).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
 def attn_rounded_inputs(q, k, v):  # q and k computed in fp32 and rounded before it (OLMo's, Cohere's RoPE)
     q, k = (q.float() * 1.5).to(q.dtype), (k.float() * 1.5).to(k.dtype)
     return torch.softmax(torch.matmul(q, k.transpose(2, 3)) * SCALE, dim=-1, dtype=torch.float32).to(q.dtype) @ v
@@ -616,6 +626,8 @@ CASES += [
     Case("attn_flash_cpu", "attention", attn_flash_cpu, _q_k_v, lambda q, k, v: ref.attention(q, k, v, causal=True),
          grads=_QKV),
     Case("attn_math", "attention", attn_math, _q_k_v_mask, ref.attention, grads=_QKV),
+    Case("attn_sdpa_merged_heads", "attention", attn_sdpa_merged_heads, _q_k_v, attn_sdpa_merged_heads_reference,
+         grads=_QKV),
 ]
 
 # Not in CASES: the rounding of q and k before the site is the model's, not a site's, and unpinned

@@ -59,10 +59,10 @@ def entries() -> list[Entry]:
     out = []
     for family, overrides in FAMILIES.items():
         config = AutoConfig.for_model(family, **(TINY_CONFIG | overrides))
-        out.append(Entry(family, _hf(family), expected_sites(config, logits=True), "hf"))
+        out.append(Entry(family, _hf(family), expected_sites(config, logits=True, attention=True), "hf"))
     for name, family in LOOP_EXPERTS.items():
         config = AutoConfig.for_model(family, **(TINY_CONFIG | FAMILIES[family]))
-        expected = expected_sites(config, logits=True)
+        expected = expected_sites(config, logits=True, attention=True)
         expected["swiglu"] = 0  # split by graph breaks: reported as partial sites, not rewritten
         out.append(Entry(name, _hf(family, experts_implementation="eager"), expected, "hf",
                          ["experts_implementation='eager'"]))
