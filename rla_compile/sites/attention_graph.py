@@ -124,7 +124,7 @@ def slices_between(node: object, source: object) -> set[Node]:
 
 
 def transposed(node: object) -> object | None:
-    """x for xᵀ over the last two dims (transpose or permute), else None."""
+    """x for xᵀ over the last two dims (transpose, permute or `.mT`, e.g. litgpt's), else None."""
     shape = ops.shape_of(node)
     if shape is None or len(shape) < 2:
         return None
@@ -134,6 +134,8 @@ def transposed(node: object) -> object | None:
     if ops.is_op(node, "permute") and list(node.args[1]) == [*range(n - 2), n - 1, n - 2]:
         return node.args[0]
     if ops.is_op(node, "t") and n == 2:
+        return node.args[0]
+    if ops.is_op(node, "mT"):
         return node.args[0]
     return None
 

@@ -569,6 +569,10 @@ def attn_masked_fill(q, k, v, keep):
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
+def attn_mT(q, k, v):  # the key transposed with .mT (litgpt)
+    return torch.softmax((q @ k.mT) * SCALE, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def attn_q_scaled(q, k, v):  # q scaled before q·kᵀ, softmax in the activation dtype
     return torch.softmax((q * SCALE) @ k.transpose(-2, -1), dim=-1) @ v
 
@@ -619,6 +623,7 @@ CASES += [
          lambda q, k, v, m: ref.attention(q, k, v, m, fill=torch.finfo(q.dtype).min), grads=_QKV),
     Case("attn_masked_fill", "attention", attn_masked_fill, _q_k_v_bool, ref.attention, grads=_QKV),
     Case("attn_q_scaled", "attention", attn_q_scaled, _q_k_v, ref.attention, grads=_QKV),
+    Case("attn_mT", "attention", attn_mT, _q_k_v, ref.attention, grads=_QKV),
     Case("attn_sdpa", "attention", attn_sdpa, _q_k_v_mask, ref.attention, grads=_QKV),
     Case("attn_sdpa_bool", "attention", attn_sdpa, _q_k_v_bool, ref.attention, grads=_QKV),
     Case("attn_sdpa_causal_gqa", "attention", attn_sdpa_causal_gqa, lambda d: _q_k_v(d, KV_HEADS),
