@@ -619,6 +619,8 @@ CASES += [
          lambda q, k, v, m: ref.attention(q, k, v, m, groups=HEADS // KV_HEADS), grads=_QKV),
     Case("attn_softcapped", "attention", attn_softcapped, _q_k_v_mask,
          lambda q, k, v, m: ref.attention(q, k, v, m, softcap=50.0), grads=_QKV),
+    Case("attn_softcapped_grouped", "attention", attn_softcapped, lambda d: _q_k_v_mask(d, KV_HEADS),  # Gemma 2
+         lambda q, k, v, m: ref.attention(q, k, v, m, softcap=50.0, groups=HEADS // KV_HEADS), grads=_QKV),
     Case("attn_where", "attention", attn_where, _q_k_v_bool,
          lambda q, k, v, m: ref.attention(q, k, v, m, fill=torch.finfo(q.dtype).min), grads=_QKV),
     Case("attn_masked_fill", "attention", attn_masked_fill, _q_k_v_bool, ref.attention, grads=_QKV),
