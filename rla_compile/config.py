@@ -48,7 +48,9 @@ class Options:
         even, as torch's casts) or "toward_zero" (bf16 only), to pair the trainer with an
         engine kernel that truncates (vLLM-CPU's attention on CPUs without AVX512-BF16, e.g.
         `{"attention": "toward_zero"}`; `integrations.vllm.paired_rounding` measures the
-        engine's, and the TRL integration and `rla-compile mismatch` apply it).
+        engine's, and the TRL integration and `rla-compile mismatch` apply it). A site may
+        also take an engine-paired form (`Site.engine_forms`): attention's "vllm_cpu_vec"
+        computes it in the fp32 order of vLLM-CPU's kernel, rounded as that kernel rounds.
     """
 
     sites: frozenset[str] = field(default_factory=lambda: frozenset(registry.DEFAULT_SITES))
@@ -164,9 +166,10 @@ def _check_rounding(rounding: Any, sites: frozenset[str]) -> dict[str, str]:
     if unselected:
         raise OptionError(f"option 'rounding' names {', '.join(map(repr, unselected))}, not among the selected sites "
                           f"({', '.join(sorted(sites))}); select it in 'sites' or drop it from 'rounding'")
-    bad = {kind: mode for kind, mode in rounding.items() if mode not in ROUNDING_MODES}
-    if bad:
-        raise OptionError(f"option 'rounding': unknown mode(s) {bad}; valid: {', '.join(ROUNDING_MODES)}")
+    for kind, mode in rounding.items():
+        valid = (*ROUNDING_MODES, *registry.by_kind(kind).engine_forms)
+        if mode not in valid:
+            raise OptionError(f"option 'rounding': unknown mode {mode!r} for site {kind!r}; valid: {', '.join(valid)}")
     return dict(rounding)  # "nearest" kept: a mode the user set wins over a paired one
 
 

@@ -38,6 +38,7 @@ class Emitter:
         self.graph, self.before, self.post_grad = graph, before, post_grad
         self.meta = {k: v for k, v in before.meta.items() if k in ("nn_module_stack", "stack_trace")}
         self.emitted: list[Node] = []
+        self.note = ""  # what the emitted computation says about itself in the site's report
 
     def call(self, target, *args, name: str | None = None, **kwargs) -> Node:
         """`target(*args, **kwargs)` as a new node (named `name` when given, made unique by

@@ -156,6 +156,7 @@ def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: boo
     for plan in plans:
         if plan.status == "rewritten":
             rewriter.rewrite(plan.match)
+            plan.reason = "; ".join(r for r in (plan.reason, rewriter.notes.get(plan.match, "")) if r)
         elif plan.status == "already_aligned" and plan.dtype in ops.LOW_PRECISION:
             tag_own_roundings(plan.match)
 

@@ -9,6 +9,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import ops
+from . import sites as registry
 from .sites import Match
 
 __all__ = ["Rewriter", "mark_recompute", "mark_save", "tag_own_roundings"]
@@ -27,6 +28,12 @@ class Rewriter:
         # a node another site re-typed to fp32 -> its output rounding: what the graph's other
         # readers now read, and what a replaced site's role names (`replace`)
         self.rounded_as: dict[Node, Node] = {}
+        self.notes: dict[Match, str] = {}  # what a replaced site's form says about itself (`replace`)
+
+    def _output_rounding(self, kind: str) -> str:
+        """How the site `kind`'s output rounds: its mode, or the rounding its engine form implies."""
+        mode = self.rounding(kind)
+        return registry.by_kind(kind).engine_forms.get(mode, mode)
 
     # -- inputs -------------------------------------------------------------------------
     def bypassable(self, value: Node) -> tuple[Node, set[Node]] | None:
@@ -104,7 +111,7 @@ class Rewriter:
 
     def _round(self, value: Node, dtype: torch.dtype, kind: str, name: str) -> Node:
         """The site `kind`'s one rounding of its fp32 `value`, placed right after it, tagged."""
-        mode = self.rounding(kind)
+        mode = self._output_rounding(kind)
         if mode == "nearest":
             with self.graph.inserting_after(value):
                 rounded = self._cast(value, dtype, name)
@@ -205,7 +212,7 @@ class Rewriter:
     def _own_rounding(self, cast: Node, kind: str) -> None:
         """The model's own rounding of a site's fp32 output is the site's one rounding: tagged,
         and recomputed in the site's rounding mode when that is not "nearest"."""
-        mode = self.rounding(kind)
+        mode = self._output_rounding(kind)
         if mode != "nearest":
             from .emit import Emitter
 
@@ -226,10 +233,12 @@ class Rewriter:
         # a role another site rewrote before (q and k out of RoPE) now holds that site's fp32
         # value: the replacement reads what the graph's other readers read, its one rounding
         roles = {role: self.rounded_as.get(node, node) for role, node in match.roles.items()}
-        value = match.computes(emitter, roles)
+        mode = self.rounding(match.kind)
+        value = match.computes(emitter, roles, mode)
+        self.notes[match] = emitter.note
         dtype = ops.dtype_of(output)
         if dtype in ops.LOW_PRECISION:
-            value = emitter.round(value, dtype, self.rounding(match.kind), f"{output.name}_rounded")
+            value = emitter.round(value, dtype, self._output_rounding(match.kind), f"{output.name}_rounded")
             ops.tag_rounding(value, match.kind)
         # else the graph's own rounding of the fp32 output is the site's one rounding
         own = [] if dtype in ops.LOW_PRECISION else [u for u in output.users if ops.is_cast(u) and ops.is_low_precision(u)]

@@ -44,7 +44,7 @@ def test_runtime_smoke(tmp_path):
 
 
 def test_upcasts_before_after_smoke(tmp_path):
-    done = _run("upcasts_before_after", "--sizes", "qwen3-width", "--modes", "inference", "--reps", "1", "--json", "u.json",
+    done = _run("upcasts_before_after", "--sizes", "small", "--modes", "inference", "--reps", "1", "--json", "u.json",
                 cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (result,) = json.loads((tmp_path / "u.json").read_text())["results"]
@@ -104,17 +104,28 @@ def test_plot_of_committed_results(tmp_path):
     assert (tmp_path / "performance_cpu.png").stat().st_size > 10_000
 
 
-def test_real_shape_smoke(tmp_path):
-    """The real-shape comparison at a toy size (the real one runs by hand: docs/performance.md)."""
+def _real_shape(tmp_path, *args):
     done = _run("real_shape", "--layers", "1", "--hidden", "64", "--vocab", "512", "--tokens", "16", "--reps", "1",
-                "--no-warm-up", "--runs", "2", "--json", "s.json", cwd=tmp_path)
+                "--no-warm-up", "--json", "s.json", *args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    result = json.loads((tmp_path / "s.json").read_text())["results"]
+    return json.loads((tmp_path / "s.json").read_text())["results"]
+
+
+def test_real_shape_smoke(tmp_path):
+    """The real-shape comparison at a toy size (the real one runs by hand: docs/performance.md),
+    two runs of the default sites: their spread."""
+    result = _real_shape(tmp_path, "--runs", "2", "--variants", "rla")
     assert len(result["runs"]) == 2
     for run in result["runs"]:
-        # the default sites, and each opt-in site on top (from the registry)
-        assert set(run["variants"]) == {"inductor", "rla", *(f"rla + {kind}" for kind in rla_compile.sites.OPT_IN_SITES)}
+        assert set(run["variants"]) == {"inductor", "rla"}
         assert run["variants"]["rla"]["train_rla_s"]["retrace"] > 0
     # saved bytes are exact, so every process measures the same ratio
     spread = result["ratio_across_runs"]["rla"]["saved_bytes"]
     assert spread["min"] == spread["median"] == spread["max"] > 0
+
+
+@pytest.mark.slow
+def test_real_shape_smoke_every_variant(tmp_path):
+    """Every variant by default: the default sites and each opt-in site on top (from the registry)."""
+    (run,) = _real_shape(tmp_path, "--runs", "1")["runs"]
+    assert set(run["variants"]) == {"inductor", "rla", *(f"rla + {kind}" for kind in rla_compile.sites.OPT_IN_SITES)}

@@ -115,7 +115,9 @@ def test_pinned_layer_norm_and_softmax_round_eager_values(train):
 
     plain = [int((a != b).sum()) for a, b in zip(_block_outputs("inductor", args, True),
                                                    _block_outputs("aot_eager", args, False))]
-    assert plain[0] == 0 and all(plain[1:]), plain  # the input shows Inductor's own LayerNorm and softmax
+    # the input shows Inductor's own LayerNorm and softmax (GELU: Inductor's vectorised erf is
+    # 1 ulp from ATen's on Intel AVX-512 here, equal on an AMD EPYC with AVX2: machine-dependent)
+    assert plain[0] == 0 and all(plain[1:4]), plain
 
     pinned = rla_compile.Backend(compiler="inductor", pin_rounding=True)
     got = _block_outputs(pinned, args, True, train)

@@ -337,3 +337,42 @@ def test_localise_across_hf_and_vllm():
     assert result.points[-1].kind == "logprobs" and not result.points[-1].equal
     assert "<- first" in result.table().splitlines()[2 + result.points.index(first)]
     assert all(p.b_replay is not None for p in result.points if p.kind in ("matmul", "attn", "head", "logprobs"))
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("threads", [1, 2])
+def test_vllm_cpu_vec_form_is_the_kernel_bit_for_bit(threads):
+    """rounding 'vllm_cpu_vec' computes what vLLM-CPU's `vec` attention kernel computes, bit for
+    bit: one block of keys and several (the online softmax's rescale and the schedule's tiles:
+    640 keys per block at head size 32 with 512 KiB of L2, 320 at 64), grouped heads, scores
+    wide enough that the running max moves by more than 8."""
+    import math
+
+    from rla_compile.integrations import vllm_kernels
+    from rla_compile.sites import attention_vllm_cpu as vec
+
+    isa = vllm_kernels.cpu_attention_kernel()[0]
+    if isa != "vec":
+        pytest.skip(f"vLLM runs the {isa!r} attention kernel here, not 'vec'")
+    before, contract_differs = torch.get_num_threads(), []
+    torch.set_num_threads(threads)
+    try:
+        for tokens, heads, kv_heads, dim, spread in ((96, 4, 2, 32, 1.0), (333, 4, 2, 64, 3.0), (700, 4, 1, 32, 2.0)):
+            g = torch.Generator().manual_seed(tokens)
+            q, k, v = (torch.randn(tokens, h, dim, generator=g).mul(spread).bfloat16() for h in (heads, kv_heads, kv_heads))
+            scale = 1 / math.sqrt(dim)
+            kernel = vllm_kernels.run_cpu_attention(q, k, v, scale)
+            qf = q.float().transpose(0, 1)[None] * scale
+            kf, vf = (t.float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)[None] for t in (k, v))
+            form = vec.attention(qf, kf, vf, None, True)[0].transpose(0, 1).contiguous()
+            rounded = (form.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+            assert torch.equal(rounded.view(torch.int16), kernel.view(torch.int16)), (tokens, dim)
+            contract = torch.softmax((qf @ kf.transpose(-1, -2)).masked_fill(
+                torch.ones(tokens, tokens, dtype=torch.bool).triu(1), -math.inf), -1) @ vf
+            contract = (contract[0].transpose(0, 1).contiguous().view(torch.int32) & -65536).view(torch.float32)
+            contract_differs.append(not torch.equal(contract.bfloat16(), kernel))
+    finally:
+        torch.set_num_threads(before)
+    assert any(contract_differs)  # the contract in its own fp32 order is not the kernel: the check can fail
+    assert vllm_kernels.cpu_attention_kernel()[1] == "vllm_cpu_vec"  # the probe pairs the trainer with it

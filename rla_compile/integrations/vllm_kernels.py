@@ -27,8 +27,8 @@ from typing import Any
 from .. import sites as registry
 from ..config import Options
 
-__all__ = ["cpu_attention_kernel", "cpu_attention_rounding", "check_attention_kernel", "paired_rounding",
-           "ROUNDING_PROBES"]
+__all__ = ["cpu_attention_kernel", "cpu_attention_rounding", "run_cpu_attention", "check_attention_kernel",
+           "paired_rounding", "ROUNDING_PROBES"]
 
 log = logging.getLogger(__name__)
 
@@ -55,29 +55,18 @@ def cpu_attention_kernel(dtype: Any = None, block_size: int = 128, head_size: in
 @functools.lru_cache(maxsize=None)
 def cpu_attention_rounding(isa: str, head_size: int = 32, block_size: int = 128) -> str | None:
     """Run vLLM-CPU's attention kernel (`isa`) on 64 seeded bf16 tokens, 4 query heads over 2
-    KV heads, causal, and say which rounding of the fp32 contract it equals (None: neither)."""
+    KV heads, causal, and say which rounding of the fp32 contract it equals: "vllm_cpu_vec"
+    when the site's form in the `vec` kernel's order equals it bit for bit, else the rounding
+    mode the contract's form agrees with on >= 99% of the elements (None: neither)."""
     import torch
-    from vllm import _custom_ops as ops
 
     from ..config import ROUNDING_MODES
 
     tokens, heads, kv_heads = 64, 4, 2
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(tokens, h, head_size, generator=gen).bfloat16() for h in (heads, kv_heads, kv_heads))
-    cache = torch.zeros(1, kv_heads, 2 * block_size, head_size, dtype=torch.bfloat16)
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(tokens), isa)
-    starts, lengths = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
-    metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_size, seq_lens=lengths,
-        dtype=torch.bfloat16, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
-        enable_kv_split=False)
-    out = torch.empty(tokens, heads, head_size, dtype=torch.bfloat16)
     scale = 1 / math.sqrt(head_size)
-    ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
-        seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
-        block_table=torch.zeros(1, 1, dtype=torch.int32), softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+    out = run_cpu_attention(q, k, v, scale, isa, block_size)
     # the contract, in fp32: q × scale first, scores, causal softmax, P · v
     groups = heads // kv_heads
     qf = q.float().transpose(0, 1) * scale
@@ -85,9 +74,42 @@ def cpu_attention_rounding(isa: str, head_size: int = 32, block_size: int = 128)
     scores = (qf @ kf.transpose(-1, -2)).masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), -math.inf)
     exact = (torch.softmax(scores, -1) @ vf).transpose(0, 1).contiguous()
     agree = {mode: float((out == _rounded(exact, mode)).double().mean()) for mode in ROUNDING_MODES}
-    mode = max(agree, key=agree.get)
+    if isa == "vec":  # the contract in the kernel's own fp32 order (sites/attention_vllm_cpu.py)
+        from ..sites import attention_vllm_cpu
+
+        form = attention_vllm_cpu.attention(qf[None], kf[None], vf[None], None, True)[0].transpose(0, 1)
+        agree["vllm_cpu_vec"] = float((out == _rounded(form.contiguous(), "toward_zero")).double().mean())
     log.debug("vLLM-CPU %s attention against the contract rounded each way: %s", isa, agree)
+    if agree.get("vllm_cpu_vec") == 1.0:  # bit for bit: the trainer can compute what the kernel computes
+        return "vllm_cpu_vec"
+    mode = max(ROUNDING_MODES, key=agree.get)
     return mode if agree[mode] >= AGREEMENT else None
+
+
+def run_cpu_attention(q, k, v, scale: float, isa: str = "vec", block_size: int = 128):
+    """vLLM-CPU's attention kernel on one causal prefill request, as its backend calls it (KV
+    split off): q [T, H, E], k and v [T, H_kv, E] bf16 -> [T, H, E] bf16."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    tokens, heads, head_size = q.shape
+    kv_heads = k.shape[1]
+    blocks = -(-tokens // block_size)
+    cache = torch.zeros(blocks, kv_heads, 2 * block_size, head_size, dtype=q.dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(tokens), isa)
+    starts, lengths = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_size, seq_lens=lengths,
+        dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=False)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+        seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=torch.arange(blocks, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=metadata,
+        s_aux=None)
+    return out
 
 
 def _rounded(exact, mode: str):
@@ -103,7 +125,11 @@ def check_attention_kernel() -> None:
     """The attention site's engine hook: say which kernel vLLM's attention runs and how it
     rounds (the site aligns the trainer's attention; the engine's is its kernel)."""
     kernel, mode = cpu_attention_kernel()
-    if mode is not None:
+    if mode == "vllm_cpu_vec":
+        log.info("rla's attention site: vLLM runs the %r attention kernel: fp32 scores and P, output rounded once "
+                 "toward zero, and the site's form in its fp32 order equals it bit for bit (measured); pair the "
+                 "trainer with rounding={'attention': 'vllm_cpu_vec'}", kernel)
+    elif mode is not None:
         log.info("rla's attention site: vLLM runs the %r attention kernel: fp32 scores and P, output rounded once, "
                  "%s (measured); pair the trainer with rounding={'attention': %r}", kernel,
                  mode.replace("_", " "), mode)
@@ -114,7 +140,7 @@ def check_attention_kernel() -> None:
 
 
 # How the engine's own kernel for a site rounds (`Site.engine_rounding` names one): "nearest",
-# "toward_zero", or None (it does not follow the contract).
+# "toward_zero", a form of the site in the kernel's order ("vllm_cpu_vec"), or None (it does not follow the contract).
 ROUNDING_PROBES = {"cpu_attention": lambda: cpu_attention_kernel()[1]}
 
 

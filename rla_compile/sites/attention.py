@@ -64,6 +64,8 @@ from .base import Match, Miss, Site
 
 __all__ = ["SITE", "AttentionMatcher"]
 
+aten = torch.ops.aten
+
 _SOFTMAX = ("softmax", "_softmax", "_safe_softmax")
 # SDPA and the ATen ops it lowers to; their arguments are read by schema name.
 _SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -82,16 +84,37 @@ class _Attention:
     softcap: float | None = None
     mask: reading.Mask | None = None
 
-    def __call__(self, e: Emitter, roles: dict[str, Node]) -> Node:
+    def __call__(self, e: Emitter, roles: dict[str, Node], mode: str = "nearest") -> Node:
         q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale), name="q_scaled")  # in fp32, before q·k
         k = e.repeat_heads(e.fp32(roles["k"]), self.groups)
         v = e.repeat_heads(e.fp32(roles["v"]), self.groups)
+        if mode == "vllm_cpu_vec":
+            if self.softcap is None:
+                return self._vllm_cpu_vec(e, q, k, v, roles)
+            e.note = ("rounding 'vllm_cpu_vec': soft-capping is not emulated; the contract's form, rounded toward "
+                      "zero as the kernel rounds")
         scores = e.matmul(q, e.transpose_last(k), name="scores")
         if self.softcap is not None:
             scores = e.mul(e.tanh(e.div(scores, self.softcap)), self.softcap)
         if self.mask is not None:
             scores = self.mask.apply(e, scores, roles)
         return e.matmul(e.softmax(scores, kind="attention"), v, name="attention")  # P stays fp32
+
+    def _vllm_cpu_vec(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node]) -> Node:
+        """The contract in vLLM-CPU's `vec` kernel order (sites/attention_vllm_cpu.py): one op,
+        the mask handed to it as an additive fp32 bias (or the causal flag)."""
+        from . import attention_vllm_cpu  # registers torch.ops.rla.vllm_cpu_vec_attention
+
+        bias, causal = None, False
+        if self.mask is not None and self.mask.how == "causal":
+            causal = True
+        elif self.mask is not None and self.mask.how == "add":
+            bias = e.fp32(roles["mask"])
+        elif self.mask is not None:  # a bool or filled mask, as the bias it amounts to
+            zeros = e.call(aten.zeros_like.default, roles["mask"], dtype=torch.float32)
+            bias = self.mask.apply(e, zeros, roles)
+        e.note = f"computed in vLLM-CPU's {attention_vllm_cpu.variant()} vec kernel order (rounding 'vllm_cpu_vec')"
+        return e.call(torch.ops.rla.vllm_cpu_vec_attention.default, q, k, v, bias, causal, name="attention")
 
 
 class AttentionMatcher:
@@ -268,4 +291,7 @@ SITE = Site(
     engine_hooks=("check_attention_kernel",),  # say which kernel vLLM runs and how it rounds
     # its output rounding is to nearest or toward zero, by how vLLM was built for this CPU: measured
     engine_rounding="cpu_attention",
+    # the trainer's attention in the fp32 order of vLLM-CPU's vec kernel, rounded toward zero as its
+    # x86 builds without AVX512-BF16 round (sites/attention_vllm_cpu.py; the probe pairs it when equal)
+    engine_forms={"vllm_cpu_vec": "toward_zero"},
 )

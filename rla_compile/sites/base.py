@@ -78,6 +78,9 @@ class Site:
     `engine_rounding`: for a site whose engine half is a kernel of the engine's own, the probe
     (`integrations.vllm_kernels.ROUNDING_PROBES`) that measures how that kernel rounds its
     output; the trainer's site is paired with it (`paired_rounding`, option `rounding`).
+    `engine_forms`: modes of option `rounding` beyond how the output rounds: the site computed
+    in the fp32 order of an engine's kernel (attention: "vllm_cpu_vec"), each with the output
+    rounding it implies; `Match.computes` receives the mode and emits the form.
     """
 
     kind: str
@@ -91,3 +94,4 @@ class Site:
     engine_hooks: tuple[str, ...] = ()
     trainer_hooks: tuple[str, ...] = ()
     engine_rounding: str = ""
+    engine_forms: Mapping[str, str] = field(default_factory=dict)

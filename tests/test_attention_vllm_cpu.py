@@ -1,0 +1,148 @@
+"""The attention site's engine-paired form `rounding={"attention": "vllm_cpu_vec"}`
+(rla_compile/sites/attention_vllm_cpu.py): vLLM-CPU's `vec` kernel order in the trainer.
+
+Against the kernel itself, bit for bit: tests/test_vllm.py (needs vLLM). Here, without vLLM:
+its exact-arithmetic pieces against independent references (exact rationals; this machine's
+libm), padding, the site's report and graph, and gradients equal to the contract site's.
+"""
+
+import ctypes
+import ctypes.util
+import math
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+import contract_reference as ref
+import rla_compile
+from rla_compile.config import OptionError
+from rla_compile.sites import attention_vllm_cpu as vec
+
+
+def _round_to_fp32(exact: Fraction) -> float:
+    """The fp32 nearest to `exact` (ties to even), from exact rationals."""
+    guess = torch.tensor(float(exact), dtype=torch.float32)
+    around = [torch.nextafter(guess, torch.tensor(-math.inf)), guess, torch.nextafter(guess, torch.tensor(math.inf))]
+    best = min(around, key=lambda c: (abs(Fraction(c.item()) - exact), c.view(torch.int32).item() & 1))
+    return best.item()
+
+
+def test_fma32_rounds_once():
+    rng = random.Random(0)
+    a, b, c = ([rng.uniform(-2, 2) * 2.0 ** rng.randint(-20, 20) for _ in range(400)] for _ in range(3))
+    a, b, c = (torch.tensor(x, dtype=torch.float32) for x in (a, b, c))
+    c[:100] = -(a[:100].double() * b[:100].double()).float()  # cancellation: the product's tail is the result
+    got = vec._fma32(a, b, c)
+    want = [_round_to_fp32(Fraction(x.item()) * Fraction(y.item()) + Fraction(z.item())) for x, y, z in zip(a, b, c)]
+    assert got.tolist() == want
+    assert not torch.equal(got, a * b + c)  # two roundings differ somewhere: the check can fail
+
+
+def test_glibc_expf_equals_this_machines_libm():
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(20000, generator=g) * 200 - 110, torch.randn(20000, generator=g) * 4,
+                   torch.tensor([0.0, -0.0, -math.inf, math.inf, 88.7, -87.4, -103.9, -104.0])])
+    want = torch.tensor([libm.expf(v) for v in x.tolist()], dtype=torch.float32)
+    got = vec._glibc_expf(x)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(torch.exp(x).view(torch.int32), want.view(torch.int32))  # torch's own exp is not libm's
+
+
+def test_fast_expf_is_an_exp():
+    """The AVX-512 build's polynomial (not runnable against its kernel here): an exp within a few ulp."""
+    x = torch.linspace(-80, 80, 10001)
+    got, exact = vec._fast_expf(x).double(), torch.exp(x.double())
+    assert ((got - exact).abs() / exact).max() < 4 * 2.0 ** -23
+
+
+def _inputs(batch=2, heads=4, tokens=40, dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, tokens, dim, generator=g) for _ in range(3)]
+
+
+def test_left_padding_leaves_each_sequence_as_it_is_alone():
+    """The kernel's blocks and lanes start at a sequence's first token: padding before it changes nothing."""
+    q, k, v = _inputs(batch=1)
+    alone = vec.attention(q * 0.2, k, v, None, True)
+    pad = 5
+    padded = [torch.cat([torch.randn(1, 4, pad, 32), t], 2) for t in (q * 0.2, k, v)]
+    bias = torch.zeros(1, 1, 45, 45).masked_fill(torch.ones(45, 45, dtype=torch.bool).triu(1), -3.4e38)
+    bias[..., :pad] = -3.4e38
+    got = vec.attention(*padded, bias, False)
+    assert torch.equal(got[:, :, pad:], alone)
+
+
+def _attention(q, k, v, mask):  # HF's eager attention, one head group
+    w = torch.matmul(q, k.transpose(2, 3)) * (1 / math.sqrt(q.shape[-1]))
+    return torch.matmul(torch.softmax((w + mask).float(), -1).to(q.dtype), v)
+
+
+def _run(rounding, q, k, v, mask, compiler="inductor"):
+    torch._dynamo.reset()
+    backend = rla_compile.Backend(compiler=compiler, sites=["attention"], rounding={"attention": rounding})
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = torch.compile(_attention, backend=backend)(*leaves, mask)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))  # a gradient that is not out's
+    (out.float() * weights).sum().backward()
+    torch._dynamo.reset()
+    return out.detach(), [t.grad for t in leaves], backend.reports
+
+
+def test_site_runs_the_form_and_keeps_the_contracts_gradient():
+    q, k, v = (t.bfloat16() for t in _inputs(tokens=96))
+    causal = torch.ones(96, 96, dtype=torch.bool).triu(1)
+    mask = torch.zeros(2, 1, 96, 96).masked_fill(causal, torch.finfo(torch.bfloat16).min).bfloat16()
+    out, grads, reports = _run("vllm_cpu_vec", q, k, v, mask)
+    (site,) = reports[0].sites
+    assert site.status == "rewritten" and f"vLLM-CPU's {vec.variant()} vec kernel order" in site.reason
+    _, want_grads, _ = _run("toward_zero", q, k, v, mask)
+    # forward: the contract up to the kernel's fp32 order (a last-bit flip on a few elements)
+    reference = ref.attention(q, k, v, mask=mask, scale=1 / math.sqrt(32), rounding="toward_zero")
+    assert (out != reference).float().mean() < 1e-3
+    assert ((out.float() - reference.float()).abs() <= reference.float().abs() * 2 ** -7).all()
+    # backward: the contract's formulas over the contract's P, bit for bit the contract site's
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+def test_soft_capped_attention_keeps_the_contracts_form_and_says_so():
+    def capped(q, k, v):
+        s = torch.matmul(q, k.transpose(2, 3)) * 0.25
+        s = torch.tanh(s / 50.0) * 50.0
+        return torch.matmul(torch.softmax(s.float(), -1).to(q.dtype), v)
+
+    q, k, v = (t.bfloat16() for t in _inputs())
+    torch._dynamo.reset()
+    backend = rla_compile.Backend(compiler="aot_eager", sites=["attention"], rounding={"attention": "vllm_cpu_vec"})
+    got = torch.compile(capped, backend=backend)(q, k, v)
+    (site,) = backend.reports[0].sites
+    assert site.status == "rewritten" and "soft-capping is not emulated" in site.reason
+    assert torch.equal(got, ref.attention(q, k, v, scale=0.25, softcap=50.0, rounding="toward_zero"))
+
+
+def test_the_form_is_the_attention_sites_only():
+    with pytest.raises(OptionError, match="unknown mode 'vllm_cpu_vec' for site 'rope'; valid: nearest, toward_zero"):
+        rla_compile.Backend(sites=["rope"], rounding={"rope": "vllm_cpu_vec"})
+    rla_compile.Backend(sites=["attention"], rounding={"attention": "vllm_cpu_vec"})
+
+
+def test_whole_model_every_layer_in_the_form():
+    from rla_compile.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("qwen3").train()
+    ids = torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    backend = rla_compile.Backend(compiler="aot_eager", sites=[*rla_compile.sites.DEFAULT_SITES, "attention"],
+                                  rounding={"attention": "vllm_cpu_vec"})
+    torch._dynamo.reset()
+    try:
+        logits = torch.compile(model, backend=backend)(ids, use_cache=False).logits
+        logits.float().logsumexp(-1).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    layers = [s for r in backend.reports for s in r.sites if s.kind == "attention"]
+    assert len(layers) == model.config.num_hidden_layers
+    assert all(s.status == "rewritten" and "vec kernel order" in s.reason for s in layers)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
