@@ -7,6 +7,8 @@ both, and each site alone on both sides (the per-site ablation), over the same s
                                   --plot benchmarks/results/mismatch_hf_cpu.png
     python -m benchmarks.mismatch --inference vllm --prompts 16 --no-ablation \
                                   --json benchmarks/results/mismatch_attention_vllm_cpu.json   # the attention site
+                                  # (0.2.x, Intel: the contract's form; 0.3.0, AMD EPYC: paired in vLLM's kernel order
+                                  #  --json benchmarks/results/mismatch_attention_vec_vllm_cpu.json)
     python -m benchmarks.mismatch --inference vllm --prompts 16 --no-ablation --decode \
                                   --json benchmarks/results/mismatch_decode_vllm_cpu.json      # as RL samples
 

