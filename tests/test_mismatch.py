@@ -239,3 +239,13 @@ def test_localise_finds_the_first_divergence_at_a_site(sequences):
     assert all(p.equal for p in aligned.points[:index])
     assert first.name == "model.layers.0.input_layernorm" and first.kind == "norm"
     assert "<- first" in aligned.table().splitlines()[2 + index]
+
+
+def test_localise_compares_a_head_kept_in_fp32_with_one_rounded(sequences):
+    """The logits site on one side only: its head's output is fp32 there, bf16 on the other;
+    compared in fp32 (the bf16 one upcast exactly), not refused (was: 'compare tensors of one dtype')."""
+    both = localise(Stack.parse("hf-aot_eager+rla"), Stack.parse("hf-aot_eager+rla[rmsnorm,residual_rmsnorm,swiglu,rope,logits]"),
+                    sequences, check_unchanged=False)
+    head = next(p for p in both.points if p.name == "lm_head")
+    assert head.dtype == "float32" and not head.equal
+    assert all(p.equal for p in both.points[:both.points.index(head)])  # the same model up to its head

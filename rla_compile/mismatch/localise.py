@@ -194,6 +194,13 @@ def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> tuple[li
     return named, logprobs
 
 
+def _ulps(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`ulp_distance` in the wider of the two dtypes: a point one side keeps in fp32 where the
+    other rounds it (the logits site's head in one stack only) is compared exactly, upcast."""
+    wide = torch.promote_types(x.dtype, y.dtype)
+    return ulp_distance(x.to(wide), y.to(wide))
+
+
 def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path | None = None,
              check_unchanged: bool = True) -> Localisation:
     """Compare two stacks (HF or vLLM, any pair) point by point on `sequences` ([B, T] token
@@ -219,9 +226,9 @@ def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path 
         refs = [_references(model, {n: t for n, _, t in side}) for side in (first, second)]
     result = Localisation(a.label, b.label)
     for (name, kind, x), (_, _, y) in zip(first, second):
-        distance = ulp_distance(x, y)
-        replay = [float(ulp_distance(t, ref[name]).max()) if name in ref else None for t, ref in ((x, refs[0]), (y, refs[1]))]
-        result.points.append(Point(name, kind, dtype_name(x.dtype), float(distance.max()),
+        distance = _ulps(x, y)
+        replay = [float(_ulps(t, ref[name]).max()) if name in ref else None for t, ref in ((x, refs[0]), (y, refs[1]))]
+        result.points.append(Point(name, kind, dtype_name(torch.promote_types(x.dtype, y.dtype)), float(distance.max()),
                                    float((distance > 0).double().mean()), float((x.double() - y.double()).abs().max()),
                                    *replay))
     if check_unchanged:
