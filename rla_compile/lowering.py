@@ -3,7 +3,8 @@ backend, vLLM's post-grad pass) apply after the rewrite so that Inductor compute
 
 - every site rounding carries Inductor's rounding barrier (fusion would otherwise drop it);
 - unpinned, upcasts of a rounded site output run on ATen, or the rounding is stored before
-  the kernel boundary that its reader waits for (`_kernel_apart`);
+  the kernel boundary that its reader waits for (`_kernel_apart`); RoPE's cos/sin tables run
+  on ATen (`position_tables`), as an engine computes its table;
 - pinned (`pin_rounding`, Inductor's `emulate_precision_casts`), the fp32 math a rounding reads
   runs on ATen's kernels (`pin_eager_math`), LayerNorm, softmax and GELU included (eager_kernels.py).
 """
@@ -19,7 +20,8 @@ from . import sites as registry
 from .config import Options
 from .ops import is_site_rounding
 
-__all__ = ["KeepSiteRounding", "keep_site_roundings", "upcast_on_aten", "eager_math_nodes", "pin_eager_math"]
+__all__ = ["KeepSiteRounding", "keep_site_roundings", "upcast_on_aten", "eager_math_nodes", "pin_eager_math",
+           "position_tables"]
 
 
 class KeepSiteRounding(CustomGraphPass):
@@ -66,6 +68,19 @@ def keep_site_roundings(graph: Graph) -> None:
                         upcast_on_aten(graph, upcast)
     if pinned:
         pin_eager_math(graph)
+    else:
+        for table in position_tables(graph):
+            table.meta["should_fallback"] = True
+
+
+def position_tables(graph: Graph) -> list:
+    """The cos/sin a site rounding reads (RoPE's tables, computed in the graph from positions),
+    to run on ATen even unpinned: an engine computes its table once, eagerly (vLLM's
+    `cos_sin_cache`), so the trainer's tables must be ATen's values too. Inductor's vectorised
+    cos/sin differ from ATen's in the last fp32 bit on ~10-30% of a table's entries (shipped
+    model, 96 positions), and RoPE's one rounding flips on a few elements there (trainer vs
+    vLLM-CPU, every site on both sides: the first divergence, at layer 1; docs/mismatch.md)."""
+    return [n for n in eager_math_nodes(graph) if ops.op_name(n) in ("cos", "sin")]
 
 
 def upcast_on_aten(graph: Graph, upcast) -> None:

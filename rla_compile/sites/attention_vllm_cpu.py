@@ -35,15 +35,24 @@ the contract's form; the report says so). The backward is the contract's: autogr
 over P recomputed as the contract computes it (`_contract_backward`), so gradients equal the
 contract site's.
 
-Cost: the chains run as one ATen op per head-dimension step and per key, so this form is for
-aligning logprobs (scoring, RL's old-policy pass), not for speed; docs/performance.md.
+The forward runs as C (`csrc/vllm_cpu_vec.c`, built on first use by `native`, with no FMA
+contraction and no reassociation), checked bit for bit against the Python form here
+(`_one_request`, the reference: one ATen op per head-dimension step and per key). Without a C
+compiler the Python form runs, and rla's logger says so once. Cost: docs/performance.md.
 """
 
+import ctypes
+import functools
+import logging
 import math
 
 import torch
 
-__all__ = ["attention", "kv_tile", "variant"]
+from .. import native
+
+__all__ = ["attention", "kv_tile", "variant", "implementation"]
+
+log = logging.getLogger("rla_compile")
 
 _LOWEST = -3.4028234663852886e38  # std::numeric_limits<float>::lowest(): the running max's start
 _RESCALE_BELOW = -8.0  # the max moves only when it grows by more than 8
@@ -231,8 +240,63 @@ def _lane_sum(p: torch.Tensor, fused: bool) -> torch.Tensor:
     return (t[2] + t[0]) + (t[3] + t[1])
 
 
+def _blocks(tokens: int, dim: int, causal: bool, threads: int, l2: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: its key-block size and where its block loop stops (causal: after the
+    last row with that block size; the blocks past a row's own keys add nothing)."""
+    tiles = torch.tensor(kv_tile(tokens, dim, threads, l2))
+    limits = torch.full_like(tiles, tokens)
+    if causal:
+        for tile in set(tiles.tolist()):
+            rows = (tiles == tile).nonzero().flatten()
+            limits[rows] = int(rows.max()) + 1
+    return tiles, limits
+
+
+@functools.cache
+def _kernel():
+    library = native.load("vllm_cpu_vec")
+    function = library.rla_vllm_cpu_vec_attention
+    function.restype = ctypes.c_int
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, pointer, pointer,
+                         ctypes.c_int, pointer]
+    return function
+
+
+def implementation() -> str:
+    """"c" where the C form builds and loads here, else "python" (rla's logger said why, once)."""
+    try:
+        _kernel()
+        return "c"
+    except native.NativeUnavailable as error:
+        _warn_once(str(error))
+        return "python"
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    log.warning("rla: the attention site's vllm_cpu_vec form runs its Python reference, one ATen op per "
+                "head-dimension step and per key (the same bits, much slower): %s", reason)
+
+
+def _one_request_c(q, k, v, bias, fused: bool, threads: int, l2: int):
+    """`_one_request` in C (csrc/vllm_cpu_vec.c): the same operations in the same order."""
+    heads, tokens, dim = q.shape
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    bias = None if bias is None else bias.contiguous()
+    tiles, limits = _blocks(tokens, dim, bias is None, threads, l2)
+    out = torch.empty(heads, tokens, v.shape[-1])
+    status = _kernel()(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if bias is None else bias.data_ptr(),
+                       1 if bias is None else bias.shape[0], heads, tokens, dim, v.shape[-1], tiles.data_ptr(),
+                       limits.data_ptr(), int(fused), out.data_ptr())
+    if status:
+        raise MemoryError(f"rla's vllm_cpu_vec attention could not allocate its buffers ({tokens} tokens)")
+    return out
+
+
 def _one_request(q, k, v, bias, fused: bool, threads: int, l2: int):
-    """q [H, L, D] (scaled), k, v [H, L, D], bias [H|1, L, L] or None (causal): fp32 [H, L, D]."""
+    """q [H, L, D] (scaled), k, v [H, L, D], bias [H|1, L, L] or None (causal): fp32 [H, L, D].
+    The reference, in ATen ops (`_one_request_c` runs it as C)."""
     heads, tokens, dim = q.shape
     exp = _fast_expf if fused else _glibc_expf
     mul_add = _fma32 if fused else (lambda a, b, c: c + a * b)
@@ -243,14 +307,14 @@ def _one_request(q, k, v, bias, fused: bool, threads: int, l2: int):
         s = s.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), -math.inf)
     else:
         s = (s + bias).masked_fill(bias <= _MASKED, -math.inf)
-    tiles = torch.tensor(kv_tile(tokens, dim, threads, l2))
+    tiles, limits = _blocks(tokens, dim, bias is None, threads, l2)
     out = torch.empty(heads, tokens, v.shape[-1])
     for tile in sorted(set(tiles.tolist())):  # rows with one block size at a time
         rows = (tiles == tile).nonzero().flatten()
         m = torch.full((heads, rows.numel()), _LOWEST)
         total = torch.zeros(heads, rows.numel())
         acc = torch.zeros(heads, rows.numel(), v.shape[-1])
-        for c0 in range(0, int(rows.max()) + 1 if bias is None else tokens, tile):
+        for c0 in range(0, int(limits[rows[0]]), tile):
             c1 = min(c0 + tile, tokens)
             block = s[:, rows, c0:c1]
             m_new = torch.maximum(m, block.amax(-1))
@@ -303,12 +367,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
         raise ValueError(f"rla's vllm_cpu_vec attention emulates self-attention (prefill): {q.shape[-2]} queries "
                          f"over {k.shape[-2]} keys; use rounding 'toward_zero' (the contract's form) here")
     fused, threads, l2 = variant() == "avx512", torch.get_num_threads(), _l2_bytes()
+    one_request = _one_request_c if implementation() == "c" else _one_request
     out, _ = _contract(q, k, v, bias, causal)  # rows the kernel never sees (left padding) keep the contract's
     for b in range(q.shape[0]):
         first = 0 if bias is None else _leading_masked(bias[b:b + 1])[0]
         rows = slice(first, None)
         own = None if bias is None else bias[b, :, rows, rows]
-        out[b, :, rows] = _one_request(q[b, :, rows], k[b, :, rows], v[b, :, rows], own, fused, threads, l2)
+        out[b, :, rows] = one_request(q[b, :, rows], k[b, :, rows], v[b, :, rows], own, fused, threads, l2)
     return out
 
 

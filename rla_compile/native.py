@@ -1,0 +1,69 @@
+"""C code rla ships as source (`rla_compile/csrc/`), built once per source and compiler
+flags with the machine's C compiler and loaded with ctypes: no torch headers, so a build
+takes about a second. The shared objects are cached in `$RLA_CACHE_DIR` (default
+`~/.cache/rla_compile`), named by a hash of the source, the flags and the compiler.
+
+Used by the attention site's engine-paired form (`sites/attention_vllm_cpu.py`), whose
+floating-point order must be exactly the one written: hence `-ffp-contract=off` and no
+`-ffast-math`. Where no compiler is found, `load` raises `NativeUnavailable` saying what is
+missing; callers fall back to their Python form and say so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+__all__ = ["NativeUnavailable", "load", "cache_dir"]
+
+SOURCES = Path(__file__).parent / "csrc"
+# exact IEEE arithmetic in the order written: no contraction into FMAs, no reassociation
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations", "-fPIC", "-shared")
+
+
+class NativeUnavailable(RuntimeError):
+    """The C code could not be built or loaded here; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RLA_CACHE_DIR") or Path.home() / ".cache" / "rla_compile")
+
+
+def _compiler() -> str:
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not found:
+        raise NativeUnavailable("no C compiler found (set CC, or install gcc or clang): rla builds its C kernels "
+                                "(rla_compile/csrc) on first use")
+    return found
+
+
+@cache
+def load(name: str) -> ctypes.CDLL:
+    """The shared object built from `csrc/<name>.c`, building it if it is not cached."""
+    source = SOURCES / f"{name}.c"
+    if not source.is_file():
+        raise NativeUnavailable(f"rla_compile/csrc/{name}.c is missing from this installation")
+    compiler = _compiler()
+    key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            try:
+                done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
+                                      capture_output=True, text=True)
+            except OSError as error:
+                raise NativeUnavailable(f"building rla_compile/csrc/{name}.c failed: cannot run the C compiler "
+                                        f"{compiler!r} ({error.strerror}); set CC to a working gcc or clang") from None
+            if done.returncode:
+                raise NativeUnavailable(f"building rla_compile/csrc/{name}.c with {compiler} failed:\n"
+                                        f"{done.stderr[-2000:]}")
+            os.replace(built, target)  # atomic: concurrent builders each write a whole file
+    return ctypes.CDLL(str(target))
