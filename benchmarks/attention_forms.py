@@ -1,9 +1,10 @@
 """The attention site's two forms side by side, one attention op, forward and backward: the
 contract's own (matmul, softmax, matmul in fp32) and the engine-paired `vllm_cpu_vec` (the
-contract in vLLM-CPU's kernel order, sites/attention_vllm_cpu.py), as the rla backend emits
-them (aot_eager: the op is an extern kernel under Inductor too), against plain SDPA.
+contract in vLLM-CPU's kernel order, sites/attention_vllm_cpu.py; its C form, and up to 256
+tokens its Python reference), as the rla backend emits them (aot_eager: the op is an extern
+kernel under Inductor too), against plain SDPA.
 
-    python -m benchmarks.attention_forms [--shapes shipped qwen3-256] [--reps 3] \
+    python -m benchmarks.attention_forms [--shapes shipped qwen3-256 qwen3-2048] [--reps 3] \
         [--json benchmarks/results/attention_forms_cpu.json]
 
 Prints each form's median time per step (forward + backward) and its ratio to the contract's
@@ -15,17 +16,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 import rla_compile
+from rla_compile.sites import attention_vllm_cpu
 
 from .common import write
 
 # (batch, query heads, kv heads, tokens, head size)
-SHAPES = {"shipped": (16, 4, 2, 96, 32), "qwen3-256": (1, 16, 8, 256, 128)}
-FORMS = {"sdpa (no rla)": None, "contract": "toward_zero", "vllm_cpu_vec": "vllm_cpu_vec"}
+SHAPES = {"shipped": (16, 4, 2, 96, 32), "qwen3-256": (1, 16, 8, 256, 128), "qwen3-2048": (1, 16, 8, 2048, 128)}
+FORMS = {"sdpa (no rla)": None, "contract": "toward_zero", "vllm_cpu_vec": "vllm_cpu_vec",
+         "vllm_cpu_vec (Python reference)": "vllm_cpu_vec"}
+PYTHON_UP_TO = 256  # tokens: the reference's one ATen op per key and head-dimension step is slow beyond
 
 
 def attend(q, k, v):
@@ -38,6 +43,9 @@ def measure(shape: str, reps: int) -> dict:
     inputs = [torch.randn(batch, h, tokens, dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads)]
     times = {}
     for name, rounding in FORMS.items():
+        python = "Python" in name
+        if python and tokens > PYTHON_UP_TO:
+            continue
         torch._dynamo.reset()
         backend = "aot_eager" if rounding is None else rla_compile.Backend(
             compiler="aot_eager", sites=["attention"], rounding={"attention": rounding})
@@ -47,12 +55,13 @@ def measure(shape: str, reps: int) -> dict:
         def step():
             compiled(*leaves).float().sum().backward()
 
-        step()  # compile
-        samples = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            step()
-            samples.append(time.perf_counter() - start)
+        with mock.patch.object(attention_vllm_cpu, "implementation", lambda: "python" if python else "c"):
+            step()  # compile
+            samples = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                step()
+                samples.append(time.perf_counter() - start)
         times[name] = samples
     contract = statistics.median(times["contract"])
     return {"shape": shape, "batch_heads_kv_tokens_dim": SHAPES[shape], "reps": reps, "times_s": times,

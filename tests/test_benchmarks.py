@@ -133,5 +133,6 @@ def test_attention_forms_smoke(tmp_path):
     done = _run("attention_forms", "--shapes", "shipped", "--reps", "1", "--json", "a.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (result,) = json.loads((tmp_path / "a.json").read_text())["results"]
-    assert set(result["ratio_vs_contract"]) == {"sdpa (no rla)", "contract", "vllm_cpu_vec"}
+    assert set(result["ratio_vs_contract"]) == {"sdpa (no rla)", "contract", "vllm_cpu_vec",
+                                                "vllm_cpu_vec (Python reference)"}
     assert result["ratio_vs_contract"]["contract"] == 1.0
