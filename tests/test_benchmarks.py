@@ -114,12 +114,10 @@ def _real_shape(tmp_path, *args):
 def test_real_shape_smoke(tmp_path):
     """The real-shape comparison at a toy size (the real one runs by hand: docs/performance.md),
     one run of the default sites (the spread over fresh processes: test_runtime_smoke)."""
-    result = _real_shape(tmp_path, "--runs", "1", "--variants", "rla")
-    (run,) = result["runs"]
+    run = _real_shape(tmp_path, "--variants", "rla")  # one run, in this process
     assert set(run["variants"]) == {"inductor", "rla"}
     assert run["variants"]["rla"]["train_rla_s"]["retrace"] > 0
-    spread = result["ratio_across_runs"]["rla"]["saved_bytes"]
-    assert spread["min"] == spread["median"] == spread["max"] > 0
+    assert run["variants"]["rla"]["saved_bytes"] > 0 and run["ratio_vs_inductor"]["rla"]["saved_bytes"] > 0
 
 
 @pytest.mark.slow
