@@ -53,17 +53,25 @@ def load(name: str) -> ctypes.CDLL:
     key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            try:
-                done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
-                                      capture_output=True, text=True)
-            except OSError as error:
-                raise NativeUnavailable(f"building rla_compile/csrc/{name}.c failed: cannot run the C compiler "
-                                        f"{compiler!r} ({error.strerror}); set CC to a working gcc or clang") from None
-            if done.returncode:
-                raise NativeUnavailable(f"building rla_compile/csrc/{name}.c with {compiler} failed:\n"
-                                        f"{done.stderr[-2000:]}")
-            os.replace(built, target)  # atomic: concurrent builders each write a whole file
+        try:
+            _build(name, source, compiler, target)
+        except OSError as error:  # an unwritable cache directory, a full disk
+            raise NativeUnavailable(f"building rla_compile/csrc/{name}.c into {target.parent} failed ({error}); "
+                                    "set RLA_CACHE_DIR to a writable directory") from None
     return ctypes.CDLL(str(target))
+
+
+def _build(name: str, source: Path, compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        try:
+            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
+                                  capture_output=True, text=True)
+        except OSError as error:
+            raise NativeUnavailable(f"building rla_compile/csrc/{name}.c failed: cannot run the C compiler "
+                                    f"{compiler!r} ({error.strerror}); set CC to a working gcc or clang") from None
+        if done.returncode:
+            raise NativeUnavailable(f"building rla_compile/csrc/{name}.c with {compiler} failed:\n"
+                                    f"{done.stderr[-2000:]}")
+        os.replace(built, target)  # atomic: concurrent builders each write a whole file
