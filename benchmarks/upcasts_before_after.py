@@ -10,14 +10,22 @@ trick), so rla must make it read the rounded value.
 - "rla (fp64 upcasts)", tried: the upcast widens through fp64 (bf16 -> fp64 -> fp32, both
   exact) inside the reader's kernel; the cache only serves `convert<float>(bf16)`. Fewer
   kernels, but at Qwen3-0.6B's width the fused q/k norm + RoPE kernel ran about 3x slower.
+- "rla (prims fallback)", rla before stop 33: the upcast as a per-node fallback of the
+  post-grad graph's `prims.convert_element_type`, which runs the prim's Python reference on
+  every call (about 0.6 ms of host time each, where ATen's `_to_copy` takes 10 us): invisible
+  next to CPU compute at 256 tokens, 3.1x the wall time of an H200's inference (the GPU waits
+  for the host). "qwen3-host" shows the host's share on this machine.
 - "inductor again": plain Inductor once more, on a model of its own like every variant: the
   resolution of the comparison (each variant's own copy of the weights moved a ratio by up to
   2 points in one run).
 
-Sizes: the tiny Llamas of runtime.py, and "qwen3-width": 4 layers of Qwen3-0.6B's width
-(hidden 1024, 16/8 heads of 128, MLP 3072), vocabulary 8192, one sequence of 256 tokens.
+Sizes: the tiny Llamas of runtime.py, "qwen3-width": 4 layers of Qwen3-0.6B's width
+(hidden 1024, 16/8 heads of 128, MLP 3072), vocabulary 8192, one sequence of 256 tokens, and
+"qwen3-host": the tiny Qwen3 (4 layers, hidden 64) on 4 tokens, where the time per step is
+mostly the host's (calls, dispatch), as on a GPU.
 
     python -m benchmarks.upcasts_before_after --sizes qwen3-width --json benchmarks/results/upcasts_qwen3_cpu.json
+    python -m benchmarks.upcasts_before_after --sizes qwen3-host --json benchmarks/results/upcasts_qwen3_host_cpu.json
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from .runtime import measure
 
 QWEN3_WIDTH = {**{k: v for k, v in QWEN3_0_6B.items() if k not in ("rope_theta", "tie_word_embeddings")},
                "num_hidden_layers": 4, "vocab_size": 8192, "batch": 1, "seq": 256, "model_type": "qwen3"}
+QWEN3_HOST = {"num_hidden_layers": 4, "batch": 1, "seq": 4, "model_type": "qwen3"}
 
 
 def _through_fp64(graph, upcast) -> None:
@@ -58,6 +67,11 @@ def _through_bf16_copy(graph, upcast) -> None:
     upcast.replace_input_with(rounded, copy)
 
 
+def _prims_fallback(graph, upcast) -> None:
+    """The post-grad prim itself as a per-node fallback (rla before stop 33)."""
+    upcast.meta["should_fallback"] = True
+
+
 def _instead_of_aten_upcasts(through):
     """`lowering.keep_site_roundings` with `through(graph, upcast)` where it runs an upcast on ATen."""
     return mock.patch.object(lowering, "upcast_on_aten", through)
@@ -68,10 +82,12 @@ VARIANTS = {
     "rla (ATen upcasts)": lambda: rla_compile.Backend(),
     "rla (bf16 copy)": lambda: rla_compile.Backend(),
     "rla (fp64 upcasts)": lambda: rla_compile.Backend(),
+    "rla (prims fallback)": lambda: rla_compile.Backend(),
     "inductor again": lambda: "inductor",
 }
 COMPILING = {"rla (bf16 copy)": lambda: _instead_of_aten_upcasts(_through_bf16_copy),
-             "rla (fp64 upcasts)": lambda: _instead_of_aten_upcasts(_through_fp64)}
+             "rla (fp64 upcasts)": lambda: _instead_of_aten_upcasts(_through_fp64),
+             "rla (prims fallback)": lambda: _instead_of_aten_upcasts(_prims_fallback)}
 
 
 def measure_alternatives(size: str, mode: str, reps: int, variants: dict, compiling: dict, device: str = "cpu") -> dict:
@@ -79,14 +95,14 @@ def measure_alternatives(size: str, mode: str, reps: int, variants: dict, compil
     `runtime.py` or "qwen3-width"."""
     from torch._inductor import config as inductor_config
 
-    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}), \
+    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH, "qwen3-host": QWEN3_HOST}), \
             inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
         return measure(size, mode, reps, device=device, variants=variants, compiling=compiling)
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sizes = [*SIZES, "qwen3-width"]
+    sizes = [*SIZES, "qwen3-width", "qwen3-host"]
     parser.add_argument("--sizes", nargs="+", default=sizes, choices=sizes)
     parser.add_argument("--modes", nargs="+", default=["inference", "training"], choices=["inference", "training"])
     parser.add_argument("--reps", type=int, default=15)

@@ -186,39 +186,28 @@ def _gelu_pieces(erf):
     return torch.ops.rla.eager_gelu.default, (x32,), {None: y}
 
 
-# The ATen kernels `reassemble` calls, as ops of rla's own: Inductor refuses a
-# post-grad call to an op it has a decomposition for (`aten.native_layer_norm`, `aten._softmax`:
-# "both a fallback and a decomp for same op"), and runs an op it has neither for as a call to
-# it. Registered on import of this module, which a cached compiled graph's loader imports too.
-@torch.library.custom_op("rla::eager_native_layer_norm", mutates_args=())
-def _eager_native_layer_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None,
-                             bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.ops.aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
+# The ATen kernels `reassemble` calls (and `lowering.upcast_on_aten`'s widening copy), as ops
+# of rla's own: Inductor refuses a post-grad call to an op it has a decomposition for
+# (`aten.native_layer_norm`, `aten._softmax`, `aten._to_copy`: "both a fallback and a decomp
+# for same op"), and runs an op it has neither for as a call to it. Registered on import of
+# this module, which a cached compiled graph's loader imports too. Defined on a Library, not
+# with `torch.library.custom_op`: they run only inside compiled graphs, after AOTAutograd, so
+# they need no autograd formula, and custom_op's Python autograd wrapper costs about 0.2 ms of
+# host time a call (a per-node fallback of the post-grad `prims.convert_element_type` runs its
+# Python reference: 0.6 ms), which stalls a GPU's stream (docs/performance.md#gpu).
+_LIBRARY = torch.library.Library("rla", "FRAGMENT")
 
 
-@_eager_native_layer_norm.register_fake
-def _(x, normalized_shape, weight, bias, eps):
-    return torch.ops.aten.native_layer_norm.default(x, normalized_shape, weight, bias, eps)
+def _define(schema: str, kernel) -> None:
+    _LIBRARY.define(schema)
+    _LIBRARY.impl(schema.split("(")[0], kernel, "CompositeExplicitAutograd")
 
 
-@torch.library.custom_op("rla::eager_softmax", mutates_args=())
-def _eager_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return torch.ops.aten._softmax.default(x, dim, False)
-
-
-@_eager_softmax.register_fake
-def _(x, dim):
-    return torch.ops.aten._softmax.default(x, dim, False)
-
-
-@torch.library.custom_op("rla::eager_gelu", mutates_args=())
-def _eager_gelu(x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.gelu.default(x)
-
-
-@_eager_gelu.register_fake
-def _(x):
-    return torch.ops.aten.gelu.default(x)
+_define("eager_native_layer_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, float eps) "
+        "-> (Tensor, Tensor, Tensor)", torch.ops.aten.native_layer_norm.default)
+_define("eager_softmax(Tensor x, int dim) -> Tensor", lambda x, dim: torch.ops.aten._softmax.default(x, dim, False))
+_define("eager_gelu(Tensor x) -> Tensor", lambda x: torch.ops.aten.gelu.default(x))
+_define("upcast(Tensor x, ScalarType dtype) -> Tensor", lambda x, dtype: torch.ops.aten._to_copy.default(x, dtype=dtype))
 
 
 def _call_eager_kernel(graph: Graph, target, args, outputs: dict, erased: set):

@@ -84,11 +84,18 @@ def position_tables(graph: Graph) -> list:
 
 
 def upcast_on_aten(graph: Graph, upcast) -> None:
-    """Run `upcast` as an ATen call (per-node fallback): a kernel of its own, which reads the
-    stored low-precision values and writes an fp32 copy for the reader. (An ATen bf16 copy of
-    the rounded value, upcast in the reader's kernel, moves fewer bytes but measured no faster
-    at Qwen3-0.6B's width, within the benchmark's resolution: benchmarks/upcasts_before_after.py.)"""
-    upcast.meta["should_fallback"] = True
+    """Run `upcast` as an ATen call: a kernel of its own, which reads the stored low-precision
+    values and writes an fp32 copy for the reader. (An ATen bf16 copy of the rounded value,
+    upcast in the reader's kernel, moves fewer bytes but measured no faster at Qwen3-0.6B's
+    width, within the benchmark's resolution: benchmarks/upcasts_before_after.py.)
+
+    The call is `rla::upcast` (ATen's `_to_copy` behind an op Inductor has no lowering for, so
+    it stays a call; eager_kernels.py), not a per-node fallback of the post-grad graph's
+    `prims.convert_element_type`: a prim runs its Python reference implementation on every
+    call, about 0.6 ms of host time each, which on a GPU stalled the stream on every layer
+    (3.1x the inference wall time at Qwen3-0.6B's width, the same kernels; docs/performance.md#gpu)."""
+    source, dtype = upcast.args[0], ops.dtype_of(upcast)
+    upcast.target, upcast.args, upcast.kwargs = torch.ops.rla.upcast.default, (source, dtype), {}
 
 
 def _upcasts_of(rounding) -> list:

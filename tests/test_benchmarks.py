@@ -94,6 +94,27 @@ def test_gpu_script_says_what_it_needs_without_cuda(tmp_path):
     assert done.returncode == 2 and "needs a CUDA device" in done.stderr
 
 
+def test_gpu_attention_smoke_on_cpu(tmp_path):
+    """The exact section at its smoke shapes on CPU: the site matched, and under aot_eager its
+    output and gradients equal the contract reference's bit for bit (as the GPU run found);
+    the script's cost section and its CUDA default refuse to run without CUDA, saying why."""
+    import torch
+
+    done = _run("gpu_attention", "--device", "cpu", "--sections", "exact", "--shapes", "smoke", "smoke-padded",
+                "--json", "g.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "g.json").read_text())["results"]
+    assert results["errors"] == [] and [r["shape"] for r in results["exact"]] == ["smoke", "smoke-padded"]
+    for r in results["exact"]:
+        exact = r["forms"]["rla attention (aot_eager)"]
+        assert exact["rewritten"] == 1 and r["forms"]["rla attention (inductor)"]["rewritten"] == 1
+        assert {k: v["equal"] for k, v in exact.items() if k != "rewritten"} == dict.fromkeys(
+            ("out", "grad_q", "grad_k", "grad_v"), 1.0)
+    if not torch.cuda.is_available():
+        done = _run("gpu_attention", cwd=tmp_path)
+        assert done.returncode == 2 and "needs a CUDA device" in done.stderr
+
+
 def test_plot_of_committed_results(tmp_path):
     pytest.importorskip("matplotlib")
     for name in ("runtime_cpu.json", "memory_cpu.json", "compile_time_cpu.json"):
