@@ -12,7 +12,7 @@ trick), so rla must make it read the rounded value.
   kernels, but at Qwen3-0.6B's width the fused q/k norm + RoPE kernel ran about 3x slower.
 - "rla (prims fallback)", rla before stop 33: the upcast as a per-node fallback of the
   post-grad graph's `prims.convert_element_type`, which runs the prim's Python reference on
-  every call (about 0.6 ms of host time each, where ATen's `_to_copy` takes 10 us): invisible
+  every call (0.1-0.6 ms of host time each, where ATen's `_to_copy` takes 10 us): invisible
   next to CPU compute at 256 tokens, 3.1x the wall time of an H200's inference (the GPU waits
   for the host). "qwen3-host" shows the host's share on this machine.
 - "inductor again": plain Inductor once more, on a model of its own like every variant: the

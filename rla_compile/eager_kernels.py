@@ -194,7 +194,7 @@ def _gelu_pieces(erf):
 # with `torch.library.custom_op`: they run only inside compiled graphs, after AOTAutograd, so
 # they need no autograd formula, and custom_op's Python autograd wrapper costs about 0.2 ms of
 # host time a call (a per-node fallback of the post-grad `prims.convert_element_type` runs its
-# Python reference: 0.6 ms), which stalls a GPU's stream (docs/performance.md#gpu).
+# Python reference: 0.1-0.6 ms), which left a GPU waiting for the host (docs/performance.md#gpu).
 _LIBRARY = torch.library.Library("rla", "FRAGMENT")
 
 

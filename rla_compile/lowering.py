@@ -92,7 +92,7 @@ def upcast_on_aten(graph: Graph, upcast) -> None:
     The call is `rla::upcast` (ATen's `_to_copy` behind an op Inductor has no lowering for, so
     it stays a call; eager_kernels.py), not a per-node fallback of the post-grad graph's
     `prims.convert_element_type`: a prim runs its Python reference implementation on every
-    call, about 0.6 ms of host time each, which on a GPU stalled the stream on every layer
+    call, 0.1-0.6 ms of host time each, which left a GPU waiting on every layer
     (3.1x the inference wall time at Qwen3-0.6B's width, the same kernels; docs/performance.md#gpu)."""
     source, dtype = upcast.args[0], ops.dtype_of(upcast)
     upcast.target, upcast.args, upcast.kwargs = torch.ops.rla.upcast.default, (source, dtype), {}

@@ -177,7 +177,7 @@ def test_upcasts_on_aten_are_calls_without_python(monkeypatch):
     """The upcasts of a rounded site output that run on ATen (Qwen3's q norm into RoPE, as
     above) are calls of `rla::upcast`, ATen's `_to_copy` behind an op of rla's own: not a
     per-node fallback of the post-grad `prims.convert_element_type`, whose Python reference
-    took 0.6 ms of host time per call and stalled an H200 on every layer (3.1x the wall time
+    took 0.1-0.6 ms of host time per call and left an H200 waiting on every layer (3.1x the wall time
     of an inference at Qwen3-0.6B's width), and not a `torch.library.custom_op` (a Python
     autograd wrapper, 0.2 ms). The same holds for the pinned mode's eager kernels."""
     import rla_compile.lowering as lowering
