@@ -112,7 +112,7 @@ def run_mismatch(args) -> int:
                                  f"{model_dir.name} (HF, eager)"):
             sequences = mismatch.sample(model_dir, prompts, args.new_tokens, args.seed)
         with timed(say_progress, f"running {a.label} and {b.label}, recording every point, then each unrecorded"):
-            result = mismatch.localise(a, b, sequences, model_dir)
+            result = mismatch.localise(a, b, sequences, model_dir, prompt_tokens=args.prompt_tokens)
         print(result.table())
         if args.json:
             Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))

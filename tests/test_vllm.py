@@ -341,6 +341,26 @@ def test_localise_across_hf_and_vllm():
 
 @pytestmark_vllm
 @pytest.mark.vllm
+def test_localise_records_the_decode_steps():
+    """`localise` with a `:decode` stack records vLLM at every step of a generation (the
+    prompts' prefill, then one decode step per token, both sequences in one batch) and gathers
+    each point back to its sequence and position. Against the same engine scoring the finished
+    sequences in one forward: the same points, at positions 0..T-2, bit for bit equal (with
+    the attention site, vLLM-CPU's KV split is off, so decode computes as prefill does)."""
+    from rla_compile import bundled
+    from rla_compile.mismatch import Stack, localise
+
+    sequences = torch.tensor(bundled.prompts(2, 16))
+    sites = "rmsnorm,residual_rmsnorm,swiglu,rope,attention"
+    result = localise(Stack.parse(f"vllm-inductor+rla[{sites}]"), Stack.parse(f"vllm-inductor+rla[{sites}]:decode"),
+                      sequences, check_unchanged=False, prompt_tokens=8)
+    assert len(result.points) == 4 * 10 + 3 and result.points[-1].name == "logprobs"
+    assert [p.name for p in result.points if not p.equal] == []
+    assert result.first_divergence is None
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
 @pytest.mark.parametrize("threads", [1, 2])
 def test_vllm_cpu_vec_form_is_the_kernel_bit_for_bit(threads):
     """rounding 'vllm_cpu_vec' computes what vLLM-CPU's `vec` attention kernel computes, bit for

@@ -164,17 +164,20 @@ def _references(model, points: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
                                       (f"{p}.mlp", f"{p}.mlp.down_proj (input)", layer.mlp.down_proj)):
             if source in points:
                 refs[point] = F.linear(points[source], linear.weight, linear.bias)
-    if "model.norm" in points:
-        refs["lm_head"] = model.get_output_embeddings()(points["model.norm"][:, :-1])
+    if "model.norm" in points:  # the positions whose logits the stack computed: 0..T-2
+        scored = points["lm_head"].shape[1] if "lm_head" in points else points["model.norm"].shape[1] - 1
+        refs["lm_head"] = model.get_output_embeddings()(points["model.norm"][:, :scored])
     if "lm_head" in points:
         refs["logprobs"] = torch.log_softmax(points["lm_head"].float(), -1)
     return refs
 
 
-def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> tuple[list, torch.Tensor]:
+def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor,
+             prompt_tokens: int | None = None) -> tuple[list, torch.Tensor]:
     """The stack's points [(name, kind, tensor)] in HF's layout and order, and its logprobs."""
     if stack.engine == "vllm":
-        out = run_vllm_worker("rla_compile.mismatch.vllm_localise", stack, model_dir, sequences)
+        out = run_vllm_worker("rla_compile.mismatch.vllm_localise", stack, model_dir, sequences,
+                              prompt_tokens=prompt_tokens)
         return out["points"], out["logprobs"]
     from ..bundled import load
 
@@ -202,20 +205,28 @@ def _ulps(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path | None = None,
-             check_unchanged: bool = True) -> Localisation:
+             check_unchanged: bool = True, prompt_tokens: int | None = None) -> Localisation:
     """Compare two stacks (HF or vLLM, any pair) point by point on `sequences` ([B, T] token
     ids); an HF stack compared with vLLM is `Stack.paired` with it. With `check_unchanged`, each stack is also scored without recording, and
-    `Localisation.unchanged` says whether recording left its logprobs bit for bit the same."""
+    `Localisation.unchanged` says whether recording left its logprobs bit for bit the same.
+
+    A `decode` stack (vLLM) generates each sequence after its first `prompt_tokens` and is
+    recorded at every step (the prefill, then one decode step per token): its points cover
+    positions 0..T-2 (the last token is sampled, never fed), and the other stack's are compared
+    there."""
     from .. import bundled
 
+    length = sequences.shape[1]
     for stack in (a, b):
-        if stack.decode:
-            raise ValueError(f"localise records the points of one forward over whole sequences; {stack.label} scores "
-                             "through decode steps: compare it at the logprobs (`rla-compile mismatch`), or localise "
-                             "its prefill form (without ':decode')")
+        if stack.decode and not (prompt_tokens and 0 < prompt_tokens < length):
+            raise ValueError(f"localise records {stack.label} while it generates each sequence after its prompt: give "
+                             f"prompt_tokens between 1 and {length - 1} (`--prompt-tokens`), got {prompt_tokens!r}")
     a, b = a.paired(b), b.paired(a)  # an HF trainer's sites round as vLLM's own kernels for them do here
     model_dir = Path(model_dir or bundled.MODEL_DIR)
-    (first, lp_a), (second, lp_b) = _capture(a, model_dir, sequences), _capture(b, model_dir, sequences)
+    first, lp_a = _capture(a, model_dir, sequences, prompt_tokens)
+    second, lp_b = _capture(b, model_dir, sequences, prompt_tokens)
+    if a.decode or b.decode:  # compare where the decode stack has points: positions 0..T-2
+        first, second = (_positions(side, length - 1) for side in (first, second))
     if [n for n, _, _ in first] != [n for n, _, _ in second]:
         missing = sorted({n for n, _, _ in first} ^ {n for n, _, _ in second})
         raise RuntimeError(f"{a.label} and {b.label} recorded different points ({missing[:4]}...); cannot compare them")
@@ -233,5 +244,13 @@ def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path 
                                    *replay))
     if check_unchanged:
         for stack, recorded in ((a, lp_a), (b, lp_b)):
-            result.unchanged[stack.label] = torch.equal(score(stack, model_dir, sequences)["logprobs"], recorded)
+            unrecorded = score(stack, model_dir, sequences, prompt_tokens=prompt_tokens)["logprobs"]
+            result.unchanged[stack.label] = torch.equal(unrecorded, recorded)
     return result
+
+
+def _positions(points: list, length: int) -> list:
+    """Each point cut to its first `length` positions (dim 2 for RoPE's [B, heads, T, head_dim],
+    else dim 1)."""
+    return [(name, kind, tensor.narrow(2 if kind == "rotary" else 1, 0, min(length, tensor.shape[2 if kind == "rotary" else 1])))
+            for name, kind, tensor in points]

@@ -1,6 +1,9 @@
 """Runs in its own process for `localise` with a vLLM stack: starts the engine with forward
 hooks on its model, scores the sequences teacher-forced (as `vllm_worker` does) and saves
-every recorded point in HF's layout, named as `localise` names HF's points.
+every recorded point in HF's layout, named as `localise` names HF's points. A `decode` stack
+generates each sequence after its prompt instead (`vllm_worker.decode_logprobs`: the prefill,
+then one decode step per token, all sequences in one batch), and its points are gathered
+from every step (`regather_decode`).
 
     python -m rla_compile.mismatch.vllm_localise REQUEST.json
 
@@ -43,19 +46,31 @@ def _install(record: list) -> None:
 
 def _hook(model, record: list) -> None:
     """Forward (pre-)hooks that append (name, kind, tensor) to `record`, cloned: eager vLLM
-    normalises and rotates in place."""
+    normalises and rotates in place.
+
+    The hooks inside the decoder (the module vLLM compiles) write to a list of their own, which
+    a hook on the whole model moves into `record` after each forward: Dynamo replays a traced
+    append to an outside list as an assignment of the list's whole contents, so across decode
+    steps the compiled graph would leave only the last forward's points."""
     decoder = getattr(model, "model", None)
     if decoder is None or not hasattr(decoder, "layers"):
         raise ValueError(f"localise needs a decoder model with `.model.layers`; {type(model).__name__} has none")
+    inner: list = []
+
+    def flush(module, args, out):
+        record.extend(inner)
+        inner.clear()
+
+    model.register_forward_hook(flush)
 
     def keep(name, kind, pick=lambda out: out[0] if isinstance(out, tuple) else out):
-        return lambda module, args, out: record.append((name, kind, pick(out).clone()))
+        return lambda module, args, out: inner.append((name, kind, pick(out).clone()))
 
     def heads(x, size):  # [tokens, heads * head_dim] -> [tokens, heads, head_dim]
         return x.reshape(x.shape[0], -1, size).clone()
 
     def keep_input(name, kind):
-        return lambda module, args: record.append((name, kind, args[0].clone()))
+        return lambda module, args: inner.append((name, kind, args[0].clone()))
 
     decoder.embed_tokens.register_forward_pre_hook(keep_input("input ids", "tokens"))
     rotaries = []
@@ -69,8 +84,8 @@ def _hook(model, record: list) -> None:
         if not any(attn.rotary_emb is r for r in rotaries):  # one module may serve every layer: number its calls
             rotaries.append(attn.rotary_emb)
             attn.rotary_emb.register_forward_hook(
-                lambda module, args, out: record.extend([("rope (query)", "rotary", heads(out[0], module.head_size)),
-                                                         ("rope (key)", "rotary", heads(out[1], module.head_size))]))
+                lambda module, args, out: inner.extend([("rope (query)", "rotary", heads(out[0], module.head_size)),
+                                                        ("rope (key)", "rotary", heads(out[1], module.head_size))]))
         attn.o_proj.register_forward_pre_hook(keep_input(f"{p}.self_attn.o_proj (input)", "attn"))
         attn.register_forward_hook(keep(f"{p}.self_attn", "matmul"))
         layer.post_attention_layernorm.register_forward_hook(keep(f"{p}.post_attention_layernorm", "norm"))
@@ -90,54 +105,145 @@ def order(layers: int, names: set[str]) -> list[str]:
     return [n for n in every + ["model.norm", "lm_head", "logprobs"] if n in names]
 
 
-def regather(record: list, sequences: list[list[int]], logprobs: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
-    """The first forward's points, in HF's layout and order."""
-    batch, length = len(sequences), len(sequences[0])
-    forwards = [i for i, (_, kind, _) in enumerate(record) if kind == "tokens"]
-    if len(forwards) != 1:
-        raise RuntimeError(f"expected one forward over the whole batch, vLLM ran {len(forwards)} (chunked prefill?)")
-    ids = record[0][2]
+def _forwards(record: list) -> list[tuple[torch.Tensor, list]]:
+    """The record split per model forward: (its input ids, its points in order, RoPE's
+    numbered by layer, the head's calls included)."""
+    forwards: list[tuple[torch.Tensor, list]] = []
+    for name, kind, tensor in record:
+        if kind == "tokens":
+            forwards.append((tensor, []))
+            rope_calls = 0
+        elif not forwards:
+            raise RuntimeError(f"{name} was recorded before any forward's input ids")
+        else:
+            if kind == "rotary":
+                name = f"model.layers.{rope_calls // 2}.self_attn.{name}"
+                rope_calls += 1
+            forwards[-1][1].append((name, kind, tensor))
+    return forwards
+
+
+def _offsets(ids: torch.Tensor, prompts: list[list[int]]) -> list[int]:
+    """Each prompt's start in a forward's flattened batch."""
     offsets, used = [], set()
-    for seq in sequences:  # each sequence's start in the flattened batch
-        seq = torch.tensor(seq, dtype=ids.dtype)
-        start = next((o for o in range(len(ids) - length + 1) if o not in used and torch.equal(ids[o:o + length], seq)), None)
+    for prompt in prompts:
+        prompt = torch.tensor(prompt, dtype=ids.dtype)
+        start = next((o for o in range(len(ids) - len(prompt) + 1)
+                      if o not in used and torch.equal(ids[o:o + len(prompt)], prompt)), None)
         if start is None:
             raise RuntimeError("a sequence is not contiguous in vLLM's batch; cannot map its tokens")
         offsets.append(start)
         used.add(start)
-    rows = torch.cat([torch.arange(o, o + length) for o in offsets])
+    return offsets
 
-    def layout(tensor):  # [tokens, ...] -> [B, T, ...]
-        return tensor[rows].reshape(batch, length, *tensor.shape[1:])
 
-    points, rope_calls, final = {}, 0, None
-    for name, kind, tensor in record[1:]:
-        if kind == "head":
-            continue
+def _decode_rows(ids: torch.Tensor, tokens: list[int], expected: list[int]) -> list[int]:
+    """The row of each sequence in a decode step's batch: the one fed the sequence's token at
+    this position; where several sequences feed the same token, the row the sequence had at
+    the step before (`expected`: vLLM keeps its persistent batch in order)."""
+    rows, taken = [None] * len(tokens), set()
+    candidates = [[r for r in range(len(ids)) if int(ids[r]) == t] for t in tokens]
+    for b, found in sorted(enumerate(candidates), key=lambda item: len(item[1])):
+        free = [r for r in found if r not in taken]
+        if not free:
+            raise RuntimeError(f"sequence {b}'s token is not in the decode step's batch; cannot map its rows")
+        row = free[0] if len(free) == 1 else (expected[b] if expected[b] in free else None)
+        if row is None:
+            raise RuntimeError(f"sequence {b} could feed any of rows {free} of a decode step; cannot map it")
+        rows[b] = row
+        taken.add(row)
+    return rows
+
+
+def _assemble(forwards: list, placements: list[list[tuple[torch.Tensor, torch.Tensor]]], batch: int,
+              length: int) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every point but the head's in HF's layout [B, length, ...] (RoPE's [B, heads, length,
+    head_dim]): `placements[f][b]` = (rows of forward f, positions they hold) for sequence b."""
+    points: dict[str, tuple[str, torch.Tensor]] = {}
+    for (_, recorded), placed in zip(forwards, placements, strict=True):
+        for name, kind, tensor in recorded:
+            if kind == "head":
+                continue
+            if name not in points:
+                points[name] = (kind, torch.full((batch, length, *tensor.shape[1:]), float("nan"), dtype=tensor.dtype))
+            out = points[name][1]
+            for b, (rows, positions) in enumerate(placed):
+                out[b, positions] = tensor[rows]
+    for name, (kind, tensor) in points.items():
+        if tensor.isnan().any():
+            raise RuntimeError(f"{name}: vLLM's forwards did not compute every position of every sequence")
         if kind == "rotary":
-            name = f"model.layers.{rope_calls // 2}.self_attn.{name}"
-            rope_calls += 1
-            tensor = layout(tensor).transpose(1, 2)  # HF's [B, heads, T, head_dim]
-        else:
-            tensor = layout(tensor)
-        points[name] = (kind, tensor)
-        if name == "model.norm":
-            final = tensor
-    logits = torch.empty(batch, length - 1, logprobs.shape[-1], dtype=final.dtype)
-    found = [False] * batch
-    for _, kind, value in record[1:]:
-        if kind == "head":
+            points[name] = (kind, tensor.transpose(1, 2))  # HF's [B, heads, T, head_dim]
+    return points
+
+
+def _logits(forwards: list, final: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The head's output at every position of `final` ([B, T, hidden], the final norm's output),
+    matched to its position by its input rows: prompt logprobs and sampling call each other."""
+    batch, length = final.shape[:2]
+    waiting: dict[bytes, list[tuple[int, int]]] = {}
+    for b in range(batch):
+        for pos in range(length):
+            waiting.setdefault(final[b, pos].contiguous().view(torch.uint8).numpy().tobytes(), []).append((b, pos))
+    logits = torch.full((batch, length, vocab), float("nan"))
+    found = torch.zeros(batch, length, dtype=torch.bool)
+    for _, recorded in forwards:
+        for _, kind, value in recorded:
+            if kind != "head":
+                continue
             hidden, out = value
-            for b in range(batch):
-                if not found[b] and hidden.shape[0] == length - 1 and torch.equal(hidden, final[b, :-1]):
-                    logits[b], found[b] = out, True
-                    break
-    if not all(found):
-        raise RuntimeError("could not match vLLM's prompt logits to every sequence")
-    points["lm_head"] = ("head", logits)
+            logits = logits.to(out.dtype)
+            for row in range(hidden.shape[0]):
+                places = waiting.get(hidden[row].contiguous().view(torch.uint8).numpy().tobytes())
+                if places:
+                    b, pos = places.pop(0)
+                    logits[b, pos], found[b, pos] = out[row], True
+    if not found.all():
+        raise RuntimeError("could not match vLLM's logits to every position of every sequence")
+    return logits
+
+
+def _ordered(points: dict, logprobs: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
     points["logprobs"] = ("logprobs", logprobs)
     layers = 1 + max(int(n.split(".")[2]) for n in points if n.startswith("model.layers."))
     return [(n, *points[n]) for n in order(layers, set(points))]
+
+
+def regather(record: list, sequences: list[list[int]], logprobs: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
+    """The points of one forward over the whole batch (prompt scoring), in HF's layout and order."""
+    batch, length = len(sequences), len(sequences[0])
+    forwards = _forwards(record)
+    if len(forwards) != 1:
+        raise RuntimeError(f"expected one forward over the whole batch, vLLM ran {len(forwards)} (chunked prefill?)")
+    offsets = _offsets(forwards[0][0], sequences)
+    placed = [[(torch.arange(o, o + length), torch.arange(length)) for o in offsets]]
+    points = _assemble(forwards, placed, batch, length)
+    points["lm_head"] = ("head", _logits(forwards, points["model.norm"][1][:, :-1], logprobs.shape[-1]))
+    return _ordered(points, logprobs)
+
+
+def regather_decode(record: list, sequences: list[list[int]], prompt_tokens: int,
+                    logprobs: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
+    """The points of a generation (`vllm_worker.decode_logprobs`): the prompts' prefill, then one
+    decode step per token, each feeding every sequence's last token. In HF's layout and order,
+    at positions 0..T-2: the last token is sampled, never fed, so it has no points."""
+    batch, length = len(sequences), len(sequences[0])
+    forwards = _forwards(record)
+    steps = length - 1 - prompt_tokens
+    if len(forwards) != 1 + steps:
+        raise RuntimeError(f"expected the prompts' prefill in one forward and {steps} decode steps; vLLM ran "
+                           f"{len(forwards)} forwards (chunked prefill?)")
+    offsets = _offsets(forwards[0][0], [s[:prompt_tokens] for s in sequences])
+    placed = [[(torch.arange(o, o + prompt_tokens), torch.arange(prompt_tokens)) for o in offsets]]
+    rows = sorted(range(batch), key=offsets.__getitem__)  # the prefill's order: the first step's guess
+    expected = [rows.index(b) for b in range(batch)]
+    for step, (ids, _) in enumerate(forwards[1:]):
+        position = prompt_tokens + step
+        expected = _decode_rows(ids, [s[position] for s in sequences], expected)
+        placed.append([(torch.tensor([r]), torch.tensor([position])) for r in expected])
+    points = _assemble(forwards, placed, batch, length - 1)
+    points["lm_head"] = ("head", _logits(forwards, points["model.norm"][1], logprobs.shape[-1]))
+    return _ordered(points, logprobs)
 
 
 def main(request_path: str) -> None:
@@ -145,12 +251,16 @@ def main(request_path: str) -> None:
     request = json.loads(open(request_path).read())
     record: list = []
     _install(record)
-    from .vllm_worker import engine, prompt_logprobs, reports
+    from .vllm_worker import decode_logprobs, engine, prompt_logprobs, reports
 
     llm, config = engine(request)
     record.clear()  # the warm-up's and the compile's runs
-    logprobs = prompt_logprobs(llm, request["sequences"])
-    points = regather(record, request["sequences"], logprobs)
+    if request.get("decode_after"):
+        logprobs = decode_logprobs(llm, request["sequences"], request["decode_after"])
+        points = regather_decode(record, request["sequences"], request["decode_after"], logprobs)
+    else:
+        logprobs = prompt_logprobs(llm, request["sequences"])
+        points = regather(record, request["sequences"], logprobs)
     torch.save({"points": points, "logprobs": logprobs, "reports": reports(config)}, request["out"])
 
 
