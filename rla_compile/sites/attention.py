@@ -28,8 +28,10 @@ kernel, which a graph rewrite cannot reorder), dropout with p > 0 in training, `
 with dynamic shapes, the probabilities read outside the site (attention weights returned).
 
 Memory: the replacement materialises fp32 scores and probabilities, [B, H, L, S] each, where
-a fused kernel keeps them in tiles: at long sequences that is the cost to weigh (a chunked
-form over the queries would bound it; not built).
+a fused kernel keeps them in tiles. Where they would exceed 64 MiB, or their size is known at
+run time only (dynamic shapes), the site emits the chunked form instead
+(sites/attention_chunked.py): the same ops one block of query rows at a time, its backward
+recomputing each block, so neither the forward nor the saved tensors hold [B, H, L, S].
 
 Before (HF eager, one head group):
 
@@ -59,6 +61,7 @@ from torch.fx import Graph, Node
 
 from .. import ops
 from ..emit import Emitter
+from . import attention_chunked  # registers torch.ops.rla.attention_chunked
 from . import attention_graph as reading
 from .base import Match, Miss, Site
 
@@ -93,12 +96,39 @@ class _Attention:
                 return self._vllm_cpu_vec(e, q, k, v, roles)
             e.note = ("rounding 'vllm_cpu_vec': soft-capping is not emulated; the contract's form, rounded toward "
                       "zero as the kernel rounds")
+        if self._chunked(q, k, roles):
+            return self._in_blocks(e, q, k, v, roles)
         scores = e.matmul(q, e.transpose_last(k), name="scores")
         if self.softcap is not None:
             scores = e.mul(e.tanh(e.div(scores, self.softcap)), self.softcap)
         if self.mask is not None:
             scores = self.mask.apply(e, scores, roles)
         return e.matmul(e.softmax(scores, kind="attention"), v, name="attention")  # P stays fp32
+
+    def _chunked(self, q: Node, k: Node, roles: dict[str, Node]) -> bool:
+        """Whether to emit the chunked form (sites/attention_chunked.py): where the fp32 scores
+        [..., L, S] exceed its budget, or their size is known at run time only."""
+        if self.mask is not None and self.mask.how == "where" and "mask_other" in roles:
+            return False  # where(cond, scores, a tensor): not a fill the chunked op takes
+        sizes = [*q.meta["val"].shape[:-1], k.meta["val"].shape[-2]]
+        if not all(isinstance(s, int) for s in sizes):
+            return True
+        return math.prod(sizes) * 4 > attention_chunked.CHUNK_ABOVE_BYTES
+
+    def _in_blocks(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node]) -> Node:
+        """The contract one block of query rows at a time (`rla::attention_chunked`)."""
+        bias, remove, fill, how = None, None, -math.inf, self.mask.how if self.mask is not None else None
+        if how == "add":
+            bias = e.fp32(roles["mask"])
+        elif how == "fill":
+            remove, fill = roles["mask"], self.mask.value
+        elif how == "keep" or (how == "where" and self.mask.keep_first):
+            remove, fill = e.logical_not(roles["mask"]), self.mask.value
+        elif how == "where":
+            remove, fill = roles["mask"], self.mask.value
+        e.note = "computed in blocks of query rows (the chunked form: fp32 scores never whole in memory)"
+        return e.call(torch.ops.rla.attention_chunked.default, q, k, v, bias, remove, fill, how == "causal",
+                      self.softcap, name="attention")
 
     def _vllm_cpu_vec(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node]) -> Node:
         """The contract in vLLM-CPU's `vec` kernel order (sites/attention_vllm_cpu.py): one op,
