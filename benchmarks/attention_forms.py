@@ -1,20 +1,31 @@
-"""The attention site's two forms side by side, one attention op, forward and backward: the
-contract's own (matmul, softmax, matmul in fp32) and the engine-paired `vllm_cpu_vec` (the
-contract in vLLM-CPU's kernel order, sites/attention_vllm_cpu.py; its C form, and up to 256
-tokens its Python reference), as the rla backend emits them (aot_eager: the op is an extern
-kernel under Inductor too), against plain SDPA.
+"""The attention site's forms side by side, one attention op, forward and backward: the
+contract's own (matmul, softmax, matmul in fp32, [B, H, L, S] scores whole), its chunked form
+(the same ops over blocks of query rows, sites/attention_chunked.py), the engine-paired
+`vllm_cpu_vec` (the contract in vLLM-CPU's kernel order, sites/attention_vllm_cpu.py; its C
+form, and up to 256 tokens its Python reference), as the rla backend emits them (aot_eager:
+the chunked and vllm_cpu_vec ops are extern kernels under Inductor too); against plain SDPA
+and fp32 SDPA (q × scale, k and v upcast, ATen's fused kernel in fp32, rounded once: the
+other way to bound memory, which issue #25 asked to weigh against chunking).
 
     python -m benchmarks.attention_forms [--shapes shipped qwen3-256 qwen3-2048] [--reps 3] \
-        [--json benchmarks/results/attention_forms_cpu.json]
+        [--chunk-mib 64] [--json benchmarks/results/attention_forms_cpu.json]
 
-Prints each form's median time per step (forward + backward) and its ratio to the contract's
-form, measured in one run.
+Per form, measured in one run: the median time per step (forward + backward) and its ratio to
+the contract's form; the bytes autograd saves for the backward; the peak memory allocated
+above the inputs during a step (glibc's count of bytes in use, sampled every 0.2 ms while the
+step runs: ATen's CPU tensors are malloc'd, so a brief peak can fall between samples); and, for the forms that
+compute the contract, the share of the output's and of each gradient's elements equal to the
+contract's eager fp32 reference (tests/support/contract_reference.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import statistics
+import sys
+import threading
 import time
 from unittest import mock
 
@@ -22,14 +33,20 @@ import torch
 import torch.nn.functional as F
 
 import rla_compile
-from rla_compile.sites import attention_vllm_cpu
+from rla_compile.sites import attention_chunked, attention_vllm_cpu
 
-from .common import write
+from .common import ROOT, saved_bytes_of, write
+
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+import contract_reference as ref  # noqa: E402  the eager fp32 reference the tests use
 
 # (batch, query heads, kv heads, tokens, head size)
 SHAPES = {"shipped": (16, 4, 2, 96, 32), "qwen3-256": (1, 16, 8, 256, 128), "qwen3-2048": (1, 16, 8, 2048, 128)}
-FORMS = {"sdpa (no rla)": None, "contract": "toward_zero", "vllm_cpu_vec": "vllm_cpu_vec",
-         "vllm_cpu_vec (Python reference)": "vllm_cpu_vec"}
+# name: (rounding for the rla backend or None for no rla, the chunked form: forced on, off, or None)
+FORMS = {"sdpa (no rla)": (None, None), "fp32 sdpa (no rla)": (None, None), "contract": ("nearest", False),
+         "chunked": ("nearest", True), "vllm_cpu_vec": ("vllm_cpu_vec", None),
+         "vllm_cpu_vec (Python reference)": ("vllm_cpu_vec", None)}
+CONTRACT_FORMS = ("fp32 sdpa (no rla)", "contract", "chunked")  # compared with the reference, bit for bit
 PYTHON_UP_TO = 256  # tokens: the reference's one ATen op per key and head-dimension step is slow beyond
 
 
@@ -37,26 +54,95 @@ def attend(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def attend_fp32(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    qf = q.float() * q.shape[-1] ** -0.5
+    kf, vf = (t.float().repeat_interleave(groups, 1) for t in (k, v))
+    return F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=1.0).to(q.dtype)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _allocated() -> int:
+    """Bytes malloc has handed out and not taken back (glibc's mallinfo2: in-use heap chunks plus
+    mmapped blocks), which ATen's CPU tensors are; unlike the resident size, memory freed and
+    reused does not hide a peak."""
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+try:
+    _MALLINFO2 = ctypes.CDLL(None).mallinfo2
+    _MALLINFO2.restype = _Mallinfo2
+except AttributeError:  # glibc before 2.33, or not glibc: the resident size instead
+    def _allocated() -> int:  # noqa: F811
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_allocated_above(step) -> int:
+    """The peak bytes allocated while `step()` runs, above those before it (sampled)."""
+    before, peak, done = _allocated(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _allocated())
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        step()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], _allocated()) - before
+
+
+def _equal_share(got, want) -> float:
+    return float((got == want).float().mean())
+
+
 def measure(shape: str, reps: int) -> dict:
     batch, heads, kv_heads, tokens, dim = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(batch, h, tokens, dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads)]
-    times = {}
-    for name, rounding in FORMS.items():
+    cotangent = torch.randn(batch, heads, tokens, dim, generator=g).bfloat16()
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    want = ref.attention(*leaves, causal=True, groups=heads // kv_heads)
+    reference = [want.detach(), *torch.autograd.grad(want, leaves, cotangent)]
+    times, saved, peak, equal = {}, {}, {}, {}
+    for name, (rounding, chunked) in FORMS.items():
         python = "Python" in name
         if python and tokens > PYTHON_UP_TO:
             continue
         torch._dynamo.reset()
         backend = "aot_eager" if rounding is None else rla_compile.Backend(
             compiler="aot_eager", sites=["attention"], rounding={"attention": rounding})
-        compiled = torch.compile(attend, backend=backend)
+        compiled = torch.compile(attend_fp32 if name.startswith("fp32") else attend, backend=backend)
         leaves = [t.clone().requires_grad_() for t in inputs]
 
-        def step():
-            compiled(*leaves).float().sum().backward()
+        def forward():
+            return compiled(*leaves)
 
-        with mock.patch.object(attention_vllm_cpu, "implementation", lambda: "python" if python else "c"):
-            step()  # compile
+        def step():
+            forward().backward(cotangent)
+
+        threshold = {True: 0, False: float("inf"), None: attention_chunked.CHUNK_ABOVE_BYTES}[chunked]
+        with mock.patch.object(attention_vllm_cpu, "implementation", lambda: "python" if python else "c"), \
+                mock.patch.object(attention_chunked, "CHUNK_ABOVE_BYTES", threshold):
+            out = forward()  # compile
+            if name in CONTRACT_FORMS:
+                grads = torch.autograd.grad(out, leaves, cotangent)
+                equal[name] = [_equal_share(a, b) for a, b in zip([out.detach(), *grads], reference)]
+            else:
+                out.backward(cotangent)
+            saved[name] = saved_bytes_of(lambda: forward().float().mul(cotangent).sum())
+            peak[name] = peak_allocated_above(step)
             samples = []
             for _ in range(reps):
                 start = time.perf_counter()
@@ -65,22 +151,35 @@ def measure(shape: str, reps: int) -> dict:
         times[name] = samples
     contract = statistics.median(times["contract"])
     return {"shape": shape, "batch_heads_kv_tokens_dim": SHAPES[shape], "reps": reps, "times_s": times,
-            "ratio_vs_contract": {name: statistics.median(t) / contract for name, t in times.items()}}
+            "chunk_mib": attention_chunked.budget_bytes() / (1 << 20),
+            "ratio_vs_contract": {name: statistics.median(t) / contract for name, t in times.items()},
+            "saved_bytes": saved, "peak_allocated_above_inputs_bytes": peak,
+            "equal_to_reference_out_dq_dk_dv": equal}
 
 
 def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--chunk-mib", type=float, default=None,
+                        help="the chunked form's block budget (RLA_ATTENTION_CHUNK_MIB; default 64)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.chunk_mib is not None:
+        os.environ["RLA_ATTENTION_CHUNK_MIB"] = str(args.chunk_mib)
+    attention_chunked.budget_bytes()  # a bad budget fails here, before any work
     results = []
     for shape in args.shapes:
         result = measure(shape, args.reps)
         results.append(result)
-        print(f"{shape} {result['batch_heads_kv_tokens_dim']}: " + ", ".join(
-            f"{name} {statistics.median(result['times_s'][name]) * 1e3:.1f} ms ({ratio:.2f}x)"
-            for name, ratio in result["ratio_vs_contract"].items()), flush=True)
+        print(f"{shape} {result['batch_heads_kv_tokens_dim']}, chunks of {result['chunk_mib']:g} MiB:", flush=True)
+        for name, ratio in result["ratio_vs_contract"].items():
+            equal = result["equal_to_reference_out_dq_dk_dv"].get(name)
+            print(f"  {name:32s} {statistics.median(result['times_s'][name]) * 1e3:9.1f} ms ({ratio:.2f}x)  "
+                  f"saved {result['saved_bytes'][name] / 2**20:8.1f} MiB  "
+                  f"peak +{result['peak_allocated_above_inputs_bytes'][name] / 2**20:8.1f} MiB"
+                  + ("" if equal is None else "  equal to the reference: out/dq/dk/dv "
+                     + " ".join(f"{100 * e:.3f}%" for e in equal)), flush=True)
     write(args.json, results)
     return results
 

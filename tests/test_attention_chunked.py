@@ -172,7 +172,7 @@ def test_rows_per_block_follows_the_budget(monkeypatch):
     assert attention_chunked.blocks(48, 16) == [(0, 16), (16, 32), (32, 48)]
     assert attention_chunked.blocks(5, 16) == [(0, 5)]
     monkeypatch.delenv("RLA_ATTENTION_CHUNK_MIB")
-    assert attention_chunked.budget_bytes() == 64 << 20
+    assert attention_chunked.budget_bytes() == 16 << 20
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3"])

@@ -152,6 +152,10 @@ def test_attention_forms_smoke(tmp_path):
     done = _run("attention_forms", "--shapes", "shipped", "--reps", "1", "--json", "a.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (result,) = json.loads((tmp_path / "a.json").read_text())["results"]
-    assert set(result["ratio_vs_contract"]) == {"sdpa (no rla)", "contract", "vllm_cpu_vec",
-                                                "vllm_cpu_vec (Python reference)"}
+    assert set(result["ratio_vs_contract"]) == {"sdpa (no rla)", "fp32 sdpa (no rla)", "contract", "chunked",
+                                                "vllm_cpu_vec", "vllm_cpu_vec (Python reference)"}
     assert result["ratio_vs_contract"]["contract"] == 1.0
+    equal = result["equal_to_reference_out_dq_dk_dv"]
+    assert equal["contract"] == [1.0] * 4  # eager kernels: the contract's form is the reference
+    assert equal["chunked"][:2] == [1.0] * 2  # output and dq bit for bit in blocks too
+    assert all(result["saved_bytes"][name] > 0 for name in result["ratio_vs_contract"])

@@ -18,7 +18,7 @@ they add per block, an fp32 order of its own, so after their one rounding a few 
 where attention rounds, not the order of fp32 sums (docs/contract.md#attention-opt-in).
 
 The block: `rows_per_block(B, H, L, S)` rows, so that one block's fp32 scores take at most
-`RLA_ATTENTION_CHUNK_MIB` MiB (environment, read at run time; default 64). The site emits this
+`RLA_ATTENTION_CHUNK_MIB` MiB (environment, read at run time; default 16). The site emits this
 op where the scores' size is not known at compile time (dynamic shapes) or exceeds that budget
 (`CHUNK_ABOVE_BYTES`); smaller static ones keep the contract's form as emitted ATen ops, which
 Inductor fuses. An op of rla's own, Inductor runs it as one extern kernel on any device.
@@ -33,10 +33,14 @@ import torch
 
 __all__ = ["attention", "rows_per_block", "blocks", "budget_bytes", "CHUNK_ABOVE_BYTES", "MIN_ROWS"]
 
-_DEFAULT_MIB = 64
+# One block's fp32 scores at most this many MiB by default: on this CPU (AMD EPYC, 2 cores,
+# Qwen3-0.6B's 16 heads of 128) forward + backward took about the whole form's time from 1024 to
+# 2048 tokens at 16 MiB blocks (4 MiB: 1.1-1.6x, 32: 1.3x; docs/performance.md#chunked).
+_DEFAULT_MIB = 16
 # The site's choice at compile time (static shapes): the chunked op above this many bytes of fp32
-# scores, the contract's form as ATen ops at or below. Fixed, so a compiled graph's form does not
-# depend on the environment (the cache key holds rla's source, not the environment).
+# scores (where one default block would not hold them), the contract's form as ATen ops at or
+# below. Fixed, so a compiled graph's form does not depend on the environment (the cache key
+# holds rla's source, not the environment).
 CHUNK_ABOVE_BYTES = _DEFAULT_MIB << 20
 
 
@@ -48,7 +52,7 @@ MIN_ROWS = 16
 
 
 def budget_bytes() -> int:
-    """One block's fp32 scores at most this many bytes: `RLA_ATTENTION_CHUNK_MIB`, default 64."""
+    """One block's fp32 scores at most this many bytes: `RLA_ATTENTION_CHUNK_MIB`, default 16."""
     raw = os.environ.get("RLA_ATTENTION_CHUNK_MIB", "")
     if not raw:
         return _DEFAULT_MIB << 20
