@@ -396,3 +396,27 @@ def test_vllm_cpu_vec_form_is_the_kernel_bit_for_bit(threads):
         torch.set_num_threads(before)
     assert any(contract_differs)  # the contract in its own fp32 order is not the kernel: the check can fail
     assert vllm_kernels.cpu_attention_kernel()[1] == "vllm_cpu_vec"  # the probe pairs the trainer with it
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_attention_site_runs_the_fp32_kernel_where_vllm_would_run_amx(monkeypatch):
+    """On an AMX CPU vLLM-CPU picks its `amx` attention kernel for bf16 (q and P in bf16 tiles);
+    the attention site's engine hook makes it pick `vec` (the contract in fp32) there, and only
+    there. AMX is reported present here (this CPU has none); the choice is what is checked."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from rla_compile.integrations import vllm as rla_vllm
+    from rla_compile.integrations import vllm_kernels
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")  # what the site's engine_env sets: restored after
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "amx"  # stock: the check can fail
+    try:
+        rla_vllm._prepare_process(rla_compile.Options(sites=["attention"]))
+        assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "vec"
+        assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 48) == "vec16"  # not amx's: unchanged
+        assert vllm_kernels.cpu_attention_kernel(head_size=64)[0] == "vec"  # what the report measures
+    finally:
+        rla_vllm.undo()
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "amx"

