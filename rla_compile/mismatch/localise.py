@@ -29,7 +29,7 @@ import torch
 
 from ..ops import dtype_name
 from .metrics import ulp_distance
-from .stacks import DTYPES, Stack, hf_logits, hf_runner, run_vllm_worker, score
+from .stacks import Stack, hf_logits, hf_runner, run_vllm_worker, score
 
 __all__ = ["Point", "Localisation", "localise", "ulp_distance"]
 
@@ -181,7 +181,7 @@ def _capture(stack: Stack, model_dir: Path, sequences: torch.Tensor,
         return out["points"], out["logprobs"]
     from ..bundled import load
 
-    model = load(DTYPES[stack.dtype], model_dir)
+    model = load(stack.dtype, model_dir)
     record: list = []
     with _recording(model, record):
         logits = hf_logits(stack, hf_runner(stack, model)[0], sequences)[:, :-1].detach()
@@ -232,7 +232,7 @@ def localise(a: Stack, b: Stack, sequences: torch.Tensor, model_dir: str | Path 
         raise RuntimeError(f"{a.label} and {b.label} recorded different points ({missing[:4]}...); cannot compare them")
     from ..bundled import load
 
-    model = load(DTYPES[a.dtype], model_dir).eval()
+    model = load(a.dtype, model_dir).eval()
     with torch.no_grad():
         refs = [_references(model, {n: t for n, _, t in side}) for side in (first, second)]
     result = Localisation(a.label, b.label)

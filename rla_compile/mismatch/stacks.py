@@ -12,16 +12,18 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from ..site_names import check_site_names, default_sites
 
-from .. import sites as registry
-from ..sites import check_site_names
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Stack", "hf_runner", "hf_logits", "hf_logprobs", "vllm_logprobs", "score", "has_vllm", "require_vllm"]
 
 HF_COMPILERS = ("eager", "aot_eager", "inductor")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# torch is imported where a stack runs, not where one is read: the command line checks labels first
+DTYPES = ("bfloat16", "float16", "float32")  # torch.<name>
 VLLM_COMPILERS = ("eager", "inductor")
 
 
@@ -98,7 +100,7 @@ class Stack:
         """`engine-compiler[+rla[sites]][:dtype][:train|:decode]`, the form `parse` reads."""
         modes = dict(self.rounding)
         listed = ",".join(f"{s}~{modes[s]}" if s in modes else s for s in self.sites or ())
-        rla = ("" if self.sites is None else "+rla" if set(self.sites) == set(registry.DEFAULT_SITES) and not modes
+        rla = ("" if self.sites is None else "+rla" if set(self.sites) == set(default_sites()) and not modes
                else f"+rla[{listed}]")
         dtype = "" if self.dtype == "bfloat16" else f":{self.dtype}"
         return f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}{':decode' if self.decode else ''}"
@@ -116,7 +118,7 @@ class Stack:
                              "e.g. hf-inductor+rla:train, hf-aot_eager, vllm-inductor+rla[rope,swiglu], hf-eager:float32, "
                              "vllm-inductor+rla:decode")
         items = [] if not plus or rla == "rla" else [s for s in rla[4:-1].split(",") if s]
-        sites = None if not plus else tuple(registry.DEFAULT_SITES) if rla == "rla" else tuple(s.partition("~")[0] for s in items)
+        sites = None if not plus else default_sites() if rla == "rla" else tuple(s.partition("~")[0] for s in items)
         rounding = tuple((kind, mode) for kind, _, mode in (s.partition("~") for s in items) if mode)
         dtype = next((f for f in flags if f in DTYPES), "bfloat16")
         return cls(engine, compiler, sites, train="train" in flags, dtype=dtype, rounding=rounding,
@@ -124,19 +126,19 @@ class Stack:
 
 
 def has_vllm() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether vLLM is installed, found without importing it (seconds): an install that is there
+    but fails to import fails where it is used, with vLLM's own error, rather than being passed over."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 def require_vllm(what: str) -> None:
     """Fail early, with the one install advice, when `what` needs vLLM and it is not installed."""
     if not has_vllm():
-        from ..integrations.vllm import INSTALL
+        from ..integrations import VLLM_INSTALL
 
-        raise ImportError(f"{what} needs vLLM: {INSTALL}")
+        raise ImportError(f"{what} needs vLLM: {VLLM_INSTALL}")
 
 
 def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None,
@@ -150,6 +152,8 @@ def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path 
 
 def hf_runner(stack: Stack, model):
     """The callable that runs `model` as `stack` says, and the rla backend (None when off)."""
+    import torch
+
     from ..backend import Backend
 
     model.train(stack.train)
@@ -165,6 +169,8 @@ def hf_runner(stack: Stack, model):
 def hf_logits(stack: Stack, runner, sequences: torch.Tensor) -> torch.Tensor:
     """One forward of `runner` (from `hf_runner`) with the stack's grad mode; Dynamo's caches are
     cleared before and after so no other stack's compiled graph is reused."""
+    import torch
+
     torch._dynamo.reset()
     try:
         with torch.set_grad_enabled(stack.train):
@@ -174,9 +180,11 @@ def hf_logits(stack: Stack, runner, sequences: torch.Tensor) -> torch.Tensor:
 
 
 def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> dict:
+    import torch
+
     from ..bundled import load
 
-    runner, rla = hf_runner(stack, load(DTYPES[stack.dtype], model_dir))
+    runner, rla = hf_runner(stack, load(stack.dtype, model_dir))
     logits = hf_logits(stack, runner, sequences)
     logprobs = torch.log_softmax(logits.detach()[:, :-1].float(), -1)
     return {"logprobs": logprobs, "reports": [r.to_dict() for r in rla.reports] if rla else []}
@@ -197,6 +205,8 @@ def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch
         raise ValueError(f"the decode stack {stack.label} generates each sequence after its prompt: give "
                          f"prompt_tokens between 1 and {sequences.shape[1] - 1}, got {prompt_tokens!r}")
     require_vllm("the vLLM stack")
+    import torch
+
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
         request = {"model_dir": str(model_dir), "sequences": sequences.tolist(), "compiled": stack.compiler == "inductor",

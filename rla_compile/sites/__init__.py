@@ -10,6 +10,8 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 from . import attention, logits, residual_rmsnorm, rmsnorm, rope, swiglu
+from .. import site_names
+from ..site_names import check_site_names
 from .base import Match, Miss, Site, SiteMatcher
 from .opaque import OpaqueNormMatcher
 
@@ -43,6 +45,10 @@ def _derive() -> None:
 
 
 _derive()
+# The names the command line checks before importing torch (site_names.py) must be these.
+if SITE_KINDS != site_names.BUILT_IN or OPT_IN_SITES != site_names.OPT_IN:
+    raise ImportError(f"rla_compile.site_names lists {site_names.BUILT_IN} (opt-in {site_names.OPT_IN}), the registry "
+                      f"{SITE_KINDS} (opt-in {OPT_IN_SITES}): add the new site's name there too")
 
 
 @contextlib.contextmanager
@@ -72,21 +78,3 @@ def selected(kinds: Iterable[str]) -> list[Site]:
     """The declarations of the `kinds` selected, in registry order."""
     kinds = set(kinds)
     return [s for s in SITES if s.kind in kinds]
-
-
-def check_site_names(sites: object, where: str, error: type[Exception] = ValueError) -> frozenset[str]:
-    """`sites` (site names, or one comma-separated string) as a set; otherwise `error` saying
-    what is wrong, where the names came from (`where`) and the valid names."""
-    valid = ", ".join(SITE_KINDS)
-    if isinstance(sites, str):
-        sites = [s.strip() for s in sites.split(",") if s.strip()]
-    if not isinstance(sites, Iterable):
-        raise error(f"{where} takes a list of site names; valid: {valid}")
-    sites = list(sites)
-    not_names = [s for s in sites if not isinstance(s, str)]
-    if not_names:
-        raise error(f"{where} takes site names (strings), got {', '.join(map(repr, not_names))}; valid: {valid}")
-    unknown = sorted(set(sites) - set(SITE_KINDS))
-    if unknown:
-        raise error(f"unknown site(s) {', '.join(map(repr, unknown))} in {where}; valid: {valid}")
-    return frozenset(sites)
