@@ -1,8 +1,10 @@
 """rla_compile: rounding-location alignment as a torch.compile graph rewrite.
 
-RMSNorm, residual RMSNorm, SwiGLU/GeGLU and RoPE are found in any compiled graph and
-rewritten so their intermediates stay in fp32 and each output is rounded once (the rounding
-contract, docs/contract.md). Importing this package has no side effects: the `rla` backend is
+The sites — RMSNorm, residual RMSNorm, SwiGLU/GeGLU and RoPE by default, the logits and
+attention when asked for — are found in any compiled graph and rewritten so their
+intermediates stay in fp32 and each output is rounded once (the rounding contract,
+docs/contract.md). The registry (`rla_compile.sites`) is the list: `SITE_KINDS` every kind,
+`DEFAULT_SITES` those aligned when `sites` is not given. Importing this package has no side effects: the `rla` backend is
 registered through the `torch_dynamo_backends` entry point.
 
 The public names load on first use (PEP 562): importing the package does not import torch, so

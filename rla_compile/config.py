@@ -31,8 +31,9 @@ class OptionError(ValueError):
 class Options:
     """How the `rla` backend aligns a graph.
 
-    sites: which sites to align: rmsnorm, residual_rmsnorm, swiglu, rope (the default: all four)
-        and logits (opt-in: the vocabulary projection computed and returned in fp32).
+    sites: which site kinds to align, from the registry (`rla_compile.SITE_KINDS`). Not given:
+        `DEFAULT_SITES`, every kind that is not opt-in; the opt-in kinds (`sites.OPT_IN_SITES`:
+        the logits, returned in fp32; attention, computed in fp32) each say why (`Site.opt_in`).
     compiler: the compiler rla hands the aligned graph to: "inductor" (default) or "aot_eager"
         (AOTAutograd without codegen: eager kernels, the rewritten rounding points).
     pin_rounding: round like eager outside the sites too (Inductor's

@@ -1,7 +1,7 @@
 """`rla-compile demo`: the README's main job, on the model rla_compile ships (no download).
 
 1. The sites: the shipped low-entropy Qwen3 compiled with `backend="rla"`, and the report of
-   every RMSNorm, residual RMSNorm, SwiGLU and RoPE site it found and rewrote.
+   every site of the default ones (`DEFAULT_SITES`) it found and rewrote.
 2. The mismatch: the same sampled sequences scored by a trainer (HF, training-mode forward,
    torch.compile) and an inference engine (vLLM compiled when installed; otherwise HF with
    eager kernels stands in, and the demo says so), with rla off, on one side, and on both.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,10 +35,29 @@ def test_example_runs(example, tmp_path):
     subprocess.run([sys.executable, str(example)], check=True, cwd=tmp_path, capture_output=True, timeout=600)
 
 
+def table_form(text: str) -> dict:
+    """What the demo's mismatch table looks like, digits aside: the header's columns, the rows
+    and the interval rows by label, and the names the legend defines ("k3 KL = ...")."""
+    lines = text.splitlines()
+    (header,) = [line for line in lines if line.startswith("configuration ")]
+    columns = re.split(r"\s{2,}", header.strip())[1:]
+    start, end = lines.index(header) + 1, next(i for i, line in enumerate(lines) if line.startswith("change vs rla off"))
+    rows = [re.split(r"\s{2,}", line.strip())[0] for line in lines[start:end] if line.strip()]
+    intervals = [re.split(r"\s{2,}", line.strip())[0] for line in lines[end + 1:] if line.startswith("  ")]
+    legend = [line for line in lines if line.startswith(("δ = ", "Stacks are "))]
+    names = sorted({name.strip() for line in legend for name in re.findall(r"(?:^|[,;.] |: )((?:[^,;=:]|:(?! ))+?) = ", line)})
+    return {"columns": columns, "rows": rows, "intervals": intervals, "legend": names,
+            "lines": [line.split(":")[0] for line in lines if line.startswith(("machine:", "note:", "In plain words:"))]}
+
+
 def test_demo_shows_sites_and_the_mismatch_table():
     done = subprocess.run([sys.executable, "-m", "rla_compile.cli", "demo"], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
+    # docs/demo.md shows a run of the demo: the same table, rows and legend (the digits are the machine's)
+    page = (ROOT / "docs" / "demo.md").read_text()
+    shown = re.search(r"^```text\n(.*?)^```", page, re.S | re.M).group(1)
+    assert table_form(shown) == table_form(out), "docs/demo.md is not what `rla-compile demo` prints: run it again"
     assert "rla report for graph" in out and "residual_rmsnorm" in out
     # progress for the slow steps, on stderr (as `rla-compile mismatch`): stdout has the results only
     assert "... scoring with hf-inductor:train" in done.stderr and "done in" in done.stderr

@@ -39,7 +39,7 @@ def _logits(model, backend, inputs, emulate=False):
     torch._dynamo.reset()
     forward = torch.compile(model, backend=backend, dynamic=False)
     # no FX graph cache: a hit would serve the compiled code without running the post-grad pass
-    with inductor_config.patch(emulate_precision_casts=emulate, fx_graph_cache=False), torch.no_grad():
+    with inductor_config.patch(emulate_precision_casts=emulate), torch.no_grad():
         return [forward(ids, use_cache=False).logits.float() for ids in inputs]
 
 
@@ -88,7 +88,7 @@ def _norm_block(x, mask, gate, up, weight, bias):
 
 def _block_outputs(backend, args, emulate, train=False):
     torch._dynamo.reset()
-    with inductor_config.patch(emulate_precision_casts=emulate, fx_graph_cache=False):
+    with inductor_config.patch(emulate_precision_casts=emulate):
         if not train:
             return torch.compile(_norm_block, backend=backend, dynamic=False)(*args)
         args = [a.detach().requires_grad_() for a in args]

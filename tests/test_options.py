@@ -129,3 +129,21 @@ def test_to_dict_is_what_from_dict_takes_back(monkeypatch):
     opts = Options(sites=frozenset({"swiglu", "rope"}), pin_rounding=True, inductor={"max_autotune": False})
     assert opts.to_dict() == {"sites": ["rope", "swiglu"], "pin_rounding": True, "inductor": {"max_autotune": False}}
     assert Options.from_dict(opts.to_dict()) == opts
+
+
+def test_every_list_of_the_options_names_them_all():
+    """The docstrings and pages that list rla's options name every one (`rounding` was missing)."""
+    import dataclasses
+    from pathlib import Path
+
+    from rla_compile import backend
+    from rla_compile.integrations import trl
+
+    names = [f.name for f in dataclasses.fields(rla_compile.Options)]
+    root = Path(__file__).resolve().parent.parent
+    for where, text in [("Options", rla_compile.Options.__doc__), ("Backend", backend.Backend.__doc__),
+                        ("integrations.trl.enable", trl.enable.__doc__),
+                        ("docs/usage.md", (root / "docs/usage.md").read_text()),
+                        ("docs/rl.md", (root / "docs/rl.md").read_text().split("`enable(**options)` takes")[1][:200])]:
+        missing = [n for n in names if n not in text]
+        assert not missing, f"{where} lists rla's options without {missing}"

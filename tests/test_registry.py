@@ -91,16 +91,32 @@ def test_a_kind_registers_once():
 
 def test_only_the_registry_names_the_sites():
     """No code outside `sites/` holds a site kind as a string (`"rope" in opts.sites`): each
-    iterates the registry. (Usage examples in docstrings and messages may name one.)"""
+    iterates the registry. (Usage examples in docstrings and messages may name one.) The
+    exception is `site_names.py`, the names the command line checks before importing torch,
+    which the registry checks against itself when it loads (test below)."""
     import ast
     import pathlib
 
     root = pathlib.Path(rla_compile.__file__).parent
     spelled = []
     for path in sorted(root.rglob("*.py")):
-        if "sites" in path.relative_to(root).parts:
+        if "sites" in path.relative_to(root).parts or path.name == "site_names.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in sites.SITE_KINDS:
                 spelled.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
     assert spelled == []
+
+
+def test_the_names_checked_before_torch_are_the_registrys():
+    """`site_names` answers from the registry once it is loaded (custom sites included), and
+    its built-in list is the registry's: the registry refuses to load otherwise."""
+    from rla_compile import site_names
+
+    assert site_names.BUILT_IN == sites.SITE_KINDS and site_names.OPT_IN == sites.OPT_IN_SITES
+    assert site_names.kinds() is sites.SITE_KINDS and site_names.default_sites() is sites.DEFAULT_SITES
+    toy = sites.Site(kind="toy_names", matcher=sites.MATCHERS[0], summary="a name only", opt_in="a test")
+    with sites.registered(toy):
+        assert site_names.check_site_names(["toy_names"], "here") == {"toy_names"}
+    with pytest.raises(ValueError, match="unknown site"):
+        site_names.check_site_names(["toy_names"], "here")

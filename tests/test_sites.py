@@ -42,7 +42,7 @@ def _outputs(result):
 
 def _run(fn, case: Case, dtype, backend=None, emulate=False):
     args = case.inputs(dtype)
-    with inductor_config.patch(emulate_precision_casts=emulate, fx_graph_cache=False):
+    with inductor_config.patch(emulate_precision_casts=emulate):
         compiled = torch.compile(fn, backend=backend, fullgraph=True) if backend is not None else fn
         outs = _outputs(compiled(*args))
     grads = ()

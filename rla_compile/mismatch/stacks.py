@@ -30,7 +30,7 @@ VLLM_COMPILERS = ("eager", "inductor")
 @dataclass(frozen=True)
 class Stack:
     """One way to run the model. `sites` are the sites rla aligns (None: rla off; "+rla" in a
-    label is the default four, "+rla[...]" names them, e.g. `+rla[rmsnorm,residual_rmsnorm,swiglu,rope,logits]`).
+    label is `DEFAULT_SITES`, "+rla[...]" names them, e.g. `+rla[rmsnorm,residual_rmsnorm,swiglu,rope,logits]`).
 
     engine "hf": compiler "eager" (no torch.compile), "aot_eager" (compiled, eager kernels) or
     "inductor"; `train` runs the training-mode forward with autograd on.

@@ -135,7 +135,7 @@ def _logits(model, backend, batches, kwargs: dict, emulate: bool) -> list:
     torch._dynamo.reset()
     forward = torch.compile(model, backend=backend, dynamic=False)
     # no FX graph cache: a hit would serve the compiled code without running the post-grad pass
-    with inductor_config.patch(emulate_precision_casts=emulate, fx_graph_cache=False), torch.no_grad():
+    with inductor_config.patch(emulate_precision_casts=emulate), torch.no_grad():
         return [forward(ids, **kwargs).logits.float() for ids in batches]
 
 
