@@ -123,7 +123,8 @@ class MismatchReport:
             return (f"In plain words: with {row.removeprefix('rla on ')} sides aligned, the trainer's and the inference "
                     f"engine's logprobs of the sampled tokens differ {1 - ratio:.0%} less on average than without rla "
                     f"(95% interval: {1 - high:.0%} to {1 - low:.0%} less, over {n} sequences); the rest comes from "
-                    "what rla does not align (matmuls, attention, the logits).")
+                    "what that configuration leaves to each stack (the matmuls, and any opt-in site it does not "
+                    "select).")
         if low > 1:
             return (f"In plain words: '{row}' makes the average logprob gap {ratio - 1:.0%} larger than rla off "
                     f"(95% interval: {low - 1:+.0%} to {high - 1:+.0%}, over {n} sequences).")
