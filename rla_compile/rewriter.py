@@ -33,7 +33,8 @@ class Rewriter:
     def _output_rounding(self, kind: str) -> str:
         """How the site `kind`'s output rounds: its mode, or the rounding its engine form implies."""
         mode = self.rounding(kind)
-        return registry.by_kind(kind).engine_forms.get(mode, mode)
+        implied = registry.by_kind(kind).engine_forms.get(mode, mode)
+        return implied() if callable(implied) else implied
 
     # -- inputs -------------------------------------------------------------------------
     def bypassable(self, value: Node) -> tuple[Node, set[Node]] | None:

@@ -140,9 +140,10 @@ def test_site_runs_the_form_and_keeps_the_contracts_gradient():
     out, grads, reports = _run("vllm_cpu_vec", q, k, v, mask)
     (site,) = reports[0].sites
     assert site.status == "rewritten" and f"vLLM-CPU's {vec.variant()} vec kernel order" in site.reason
-    _, want_grads, _ = _run("toward_zero", q, k, v, mask)
+    rounding = vec.output_rounding()  # as the kernel's build rounds on this CPU
+    _, want_grads, _ = _run(rounding, q, k, v, mask)
     # forward: the contract up to the kernel's fp32 order (a last-bit flip on a few elements)
-    reference = ref.attention(q, k, v, mask=mask, scale=1 / math.sqrt(32), rounding="toward_zero")
+    reference = ref.attention(q, k, v, mask=mask, scale=1 / math.sqrt(32), rounding=rounding)
     assert (out != reference).float().mean() < 1e-3
     assert ((out.float() - reference.float()).abs() <= reference.float().abs() * 2 ** -7).all()
     # backward: the contract's formulas over the contract's P, bit for bit the contract site's
@@ -161,7 +162,23 @@ def test_soft_capped_attention_keeps_the_contracts_form_and_says_so():
     got = torch.compile(capped, backend=backend)(q, k, v)
     (site,) = backend.reports[0].sites
     assert site.status == "rewritten" and "soft-capping is not emulated" in site.reason
-    assert torch.equal(got, ref.attention(q, k, v, scale=0.25, softcap=50.0, rounding="toward_zero"))
+    assert torch.equal(got, ref.attention(q, k, v, scale=0.25, softcap=50.0, rounding=vec.output_rounding()))
+
+
+@pytest.mark.parametrize("bf16_instruction, rounding", [(True, "nearest"), (False, "toward_zero")])
+def test_the_form_rounds_as_the_kernels_build_for_this_cpu(monkeypatch, bf16_instruction, rounding):
+    """vLLM-CPU's x86 builds convert the output with AVX512-BF16's instruction where the CPU has
+    it (to nearest) and drop the low bits where it does not: the form's one rounding follows."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16_instruction)
+    q, k, v = (t.bfloat16() for t in _inputs(tokens=40))
+    mask = torch.zeros(2, 1, 40, 40).masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), -1e4).bfloat16()
+    out, _, reports = _run("vllm_cpu_vec", q, k, v, mask, compiler="aot_eager")
+    # the form's fp32 result, as the site calls it: q × scale, the mask as an additive fp32 bias
+    exact = torch.ops.rla.vllm_cpu_vec_attention(q.float() * (1 / math.sqrt(32)), k.float(), v.float(),
+                                                 mask.float(), False)
+    nearest, toward_zero = exact.bfloat16(), ref.round_toward_zero(exact)
+    assert not torch.equal(nearest, toward_zero)  # the inputs tell the two apart
+    assert torch.equal(out, nearest if rounding == "nearest" else toward_zero)
 
 
 def test_the_form_is_the_attention_sites_only():

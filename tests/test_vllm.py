@@ -386,7 +386,9 @@ def test_vllm_cpu_vec_form_is_the_kernel_bit_for_bit(threads):
             qf = q.float().transpose(0, 1)[None] * scale
             kf, vf = (t.float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)[None] for t in (k, v))
             form = vec.attention(qf, kf, vf, None, True)[0].transpose(0, 1).contiguous()
-            rounded = (form.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+            # rounded as this CPU's build rounds: toward zero (low bits dropped) without AVX512-BF16, else to nearest
+            rounded = (form.view(torch.int32) & -65536).view(torch.float32).bfloat16() \
+                if vec.output_rounding() == "toward_zero" else form.bfloat16()
             assert torch.equal(rounded.view(torch.int16), kernel.view(torch.int16)), (tokens, dim)
             contract = torch.softmax((qf @ kf.transpose(-1, -2)).masked_fill(
                 torch.ones(tokens, tokens, dtype=torch.bool).triu(1), -math.inf), -1) @ vf

@@ -78,7 +78,8 @@ def cpu_attention_rounding(isa: str, head_size: int = 32, block_size: int = 128)
         from ..sites import attention_vllm_cpu
 
         form = attention_vllm_cpu.attention(qf[None], kf[None], vf[None], None, True)[0].transpose(0, 1)
-        agree["vllm_cpu_vec"] = float((out == _rounded(form.contiguous(), "toward_zero")).double().mean())
+        agree["vllm_cpu_vec"] = float((out == _rounded(form.contiguous(), attention_vllm_cpu.output_rounding()))
+                                      .double().mean())
     log.debug("vLLM-CPU %s attention against the contract rounded each way: %s", isa, agree)
     if agree.get("vllm_cpu_vec") == 1.0:  # bit for bit: the trainer can compute what the kernel computes
         return "vllm_cpu_vec"

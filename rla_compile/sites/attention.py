@@ -94,8 +94,8 @@ class _Attention:
         if mode == "vllm_cpu_vec":
             if self.softcap is None:
                 return self._vllm_cpu_vec(e, q, k, v, roles)
-            e.note = ("rounding 'vllm_cpu_vec': soft-capping is not emulated; the contract's form, rounded toward "
-                      "zero as the kernel rounds")
+            e.note = ("rounding 'vllm_cpu_vec': soft-capping is not emulated; the contract's form, rounded "
+                      f"{vec_output_rounding().replace('_', ' ')} as the kernel rounds")
         if self._chunked(q, k, roles):
             return self._in_blocks(e, q, k, v, roles)
         scores = e.matmul(q, e.transpose_last(k), name="scores")
@@ -306,6 +306,13 @@ class AttentionMatcher:
                      computes=_Attention(scale, k_groups, softcap, mask))
 
 
+def vec_output_rounding() -> str:
+    """How the `vllm_cpu_vec` form's output rounds here: as vLLM-CPU's vec kernel rounds on this CPU."""
+    from .attention_vllm_cpu import output_rounding
+
+    return output_rounding()
+
+
 SITE = Site(
     kind=AttentionMatcher.kind,
     matcher=AttentionMatcher(),
@@ -324,7 +331,7 @@ SITE = Site(
     engine_hooks=("fp32_attention_kernel", "check_attention_kernel"),
     # its output rounding is to nearest or toward zero, by how vLLM was built for this CPU: measured
     engine_rounding="cpu_attention",
-    # the trainer's attention in the fp32 order of vLLM-CPU's vec kernel, rounded toward zero as its
-    # x86 builds without AVX512-BF16 round (sites/attention_vllm_cpu.py; the probe pairs it when equal)
-    engine_forms={"vllm_cpu_vec": "toward_zero"},
+    # the trainer's attention in the fp32 order of vLLM-CPU's vec kernel, rounded as its build rounds
+    # on this CPU (sites/attention_vllm_cpu.py; the probe pairs it when equal)
+    engine_forms={"vllm_cpu_vec": vec_output_rounding},
 )

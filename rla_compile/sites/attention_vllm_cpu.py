@@ -23,7 +23,8 @@ loaded by whether the CPU has AVX-512), all fp32:
    polynomial), P never rounded; the block's sum over 16 lanes, reduced as the build does;
    on a rescale `alpha = expf(m_old - m_new)`, `l = sum + alpha l`, `O = alpha O`;
 4. `O = O + p_j v_j` key by key in ascending order (AVX2: multiply, add; AVX-512: FMA);
-5. the output `(1 / l) × O`, rounded toward zero (these builds drop the low 16 bits).
+5. the output `(1 / l) × O`, rounded once: toward zero (the low 16 bits dropped) on CPUs
+   without AVX512-BF16, to nearest with it (`output_rounding`).
 
 FMAs and glibc's `expf` (double-precision with FMAs) are emulated exactly in float64 with
 error-free transformations (`_fma32`, `_fma64`): ATen has no fused multiply-add.
@@ -63,6 +64,13 @@ _MASKED = -1e37  # an additive mask at or below this (HF: the dtype's minimum) i
 def variant() -> str:
     """The x86 build vLLM-CPU loads here: "avx512" (FMA) where the CPU has AVX-512, else "avx2"."""
     return "avx512" if torch.cpu._is_avx512_supported() else "avx2"
+
+
+def output_rounding() -> str:
+    """How the kernel rounds its fp32 output to bf16 on this CPU: with AVX512-BF16 the build
+    converts with the CPU's instruction, to nearest (ties to even); without it, it drops the low
+    16 bits, toward zero. Measured equal to the kernel bit for bit both ways (tests/test_vllm.py)."""
+    return "nearest" if torch.cpu._is_avx512_bf16_supported() else "toward_zero"
 
 
 def _l2_bytes() -> int:

@@ -80,7 +80,8 @@ class Site:
     output; the trainer's site is paired with it (`paired_rounding`, option `rounding`).
     `engine_forms`: modes of option `rounding` beyond how the output rounds: the site computed
     in the fp32 order of an engine's kernel (attention: "vllm_cpu_vec"), each with the output
-    rounding it implies; `Match.computes` receives the mode and emits the form.
+    rounding it implies (a mode, or a function of no arguments that says it for this machine,
+    as the kernel's build does); `Match.computes` receives the mode and emits the form.
     """
 
     kind: str
