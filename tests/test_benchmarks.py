@@ -1,5 +1,9 @@
 """Each benchmark script runs at its smallest size, so the scripts cannot rot. (The numbers
-are in docs/performance.md; timing is not asserted here.)"""
+are in docs/performance.md; timing is not asserted here.)
+
+The runs, each a benchmark in a fresh process with cold caches (8 minutes of 2 cores), are
+marked `bench`: CI runs them (`tox -e extended`, beside the default run), the default run does
+not, so that it stays under 15 minutes (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ def test_every_committed_result_names_the_script_that_writes_it():
     assert {name: found for name, found in writers.items() if len(found) != 1} == {}
 
 
+@pytest.mark.bench
 def test_runtime_smoke(tmp_path):
     """Two runs, each in a fresh process, and their spread."""
     done = _run("runtime", "--sizes", "small", "--modes", "inference", "--reps", "1", "--runs", "2", "--json", "r.json",
@@ -43,6 +48,7 @@ def test_runtime_smoke(tmp_path):
     assert result["ratio_vs_inductor"]["rla"] == spread["median"]
 
 
+@pytest.mark.bench
 def test_upcasts_before_after_smoke(tmp_path):
     done = _run("upcasts_before_after", "--sizes", "small", "--modes", "inference", "--reps", "1", "--json", "u.json",
                 cwd=tmp_path)
@@ -54,6 +60,7 @@ def test_upcasts_before_after_smoke(tmp_path):
     assert max(times["inductor"]) < 50 * min(times["rla (fp64 upcasts)"])  # no compile inside the timed steps
 
 
+@pytest.mark.bench
 def test_residual_save_smoke(tmp_path):
     done = _run("residual_save", "--sizes", "small", "--reps", "1", "--json", "s.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -63,6 +70,7 @@ def test_residual_save_smoke(tmp_path):
     assert saved["rla (stream saved)"] > saved["rla (stream recomputed)"] > 0
 
 
+@pytest.mark.bench
 def test_kernel_profile_smoke(tmp_path):
     done = _run("kernel_profile", "--size", "small", "--mode", "inference", "--steps", "1", "--json", "k.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -71,6 +79,7 @@ def test_kernel_profile_smoke(tmp_path):
         assert any(k.startswith("cpp_fused") for k in result["us_per_step"][name])
 
 
+@pytest.mark.bench
 def test_memory_smoke(tmp_path):
     done = _run("memory", "--sizes", "small", "--json", "m.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -78,6 +87,7 @@ def test_memory_smoke(tmp_path):
     assert result["saved_bytes"]["rla"] > 0
 
 
+@pytest.mark.bench
 def test_compile_time_smoke(tmp_path):
     done = _run("compile_time", "--layers", "1", "--json", "c.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -94,6 +104,7 @@ def test_gpu_script_says_what_it_needs_without_cuda(tmp_path):
     assert done.returncode == 2 and "needs a CUDA device" in done.stderr
 
 
+@pytest.mark.bench
 def test_gpu_attention_smoke_on_cpu(tmp_path):
     """The exact section at its smoke shapes on CPU: the site matched, and under aot_eager its
     output and gradients equal the contract reference's bit for bit (as the GPU run found);
@@ -132,6 +143,7 @@ def _real_shape(tmp_path, *args):
     return json.loads((tmp_path / "s.json").read_text())["results"]
 
 
+@pytest.mark.bench
 def test_real_shape_smoke(tmp_path):
     """The real-shape comparison at a toy size (the real one runs by hand: docs/performance.md),
     one run of the default sites (the spread over fresh processes: test_runtime_smoke)."""
@@ -148,6 +160,7 @@ def test_real_shape_smoke_every_variant(tmp_path):
     assert set(run["variants"]) == {"inductor", "rla", *(f"rla + {kind}" for kind in rla_compile.sites.OPT_IN_SITES)}
 
 
+@pytest.mark.bench
 def test_attention_forms_smoke(tmp_path):
     done = _run("attention_forms", "--shapes", "shipped", "--reps", "1", "--json", "a.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
