@@ -381,16 +381,3 @@ def test_flex_attention_is_a_near_miss_with_the_reason():
     (miss,) = [m for m in result.report.near_misses if m.kind == "attention"]
     assert "flex_attention is not rewritten" in miss.reason and "score_mod" in miss.reason
     assert result.report.count("attention") == 0
-
-
-def test_causal_sdpa_with_dynamic_lengths_is_a_near_miss():
-    def causal(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    backend = rla_compile.Backend(compiler="aot_eager", sites=ATTENTION)
-    torch._dynamo.reset()
-    torch.compile(causal, backend=backend, dynamic=True)(Q, K, V)
-    torch._dynamo.reset()
-    (report,) = backend.reports
-    assert report.count("attention") == 0
-    assert ["is_causal with dynamic sequence lengths" in m.reason for m in report.near_misses if m.kind == "attention"] == [True]

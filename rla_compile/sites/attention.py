@@ -21,11 +21,12 @@ Matched by its math, not by module names:
   `F.scaled_dot_product_attention`), the ATen ops it lowers to
   (`_scaled_dot_product_flash_attention_for_cpu`, `_flash_attention`, `_efficient_attention`,
   `_cudnn_attention`, `_attention_math`), with their float or bool (True = keep) masks,
-  `is_causal` (static shapes), `scale` (default 1/sqrt(E)) and `enable_gqa`.
+  `is_causal` (under dynamic shapes too: the chunked form applies it at run time), `scale`
+  (default 1/sqrt(E)) and `enable_gqa`.
 
 Near misses: `flex_attention` (its score_mod/mask_mod is a user function run inside the
-kernel, which a graph rewrite cannot reorder), dropout with p > 0 in training, `is_causal`
-with dynamic shapes, the probabilities read outside the site (attention weights returned).
+kernel, which a graph rewrite cannot reorder), dropout with p > 0 in training, the
+probabilities read outside the site (attention weights returned).
 
 Memory: the replacement materialises fp32 scores and probabilities, [B, H, L, S] each, where
 a fused kernel keeps them in tiles. Where they would exceed 16 MiB, or their size is known at
@@ -201,9 +202,8 @@ class AttentionMatcher:
         variant = "sdpa" if op == "scaled_dot_product_attention" else op.removeprefix("_scaled_dot_product_")
         the_mask = None
         if args.get("is_causal"):
-            if not all(isinstance(d, int) for d in (shape_q[-2], shape_k[-2])):
-                return Miss(self.kind, node, f"{where}: is_causal with dynamic sequence lengths; the causal mask "
-                            "is built from static shapes only; not rewritten")
+            # with dynamic lengths the site emits the chunked form (or the engine-paired op), each
+            # taking the causal flag and applying it at the sizes it runs with
             the_mask, variant = reading.Mask("causal"), variant + ", causal"
         elif isinstance(mask, Node):
             roles["mask"] = mask
