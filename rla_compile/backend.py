@@ -27,7 +27,7 @@ from .config import Options
 from .debug import Rewrite
 from .graph_pass import align_and_record, graph_name, rank
 from .lowering import KeepSiteRounding
-from .report import GraphReport
+from .report import GraphReport, lost_sites
 from .retrace import pre_dispatch
 
 __all__ = ["Backend", "align_function", "dynamo_backend"]
@@ -62,6 +62,16 @@ class Backend:
         self.keep_graphs = keep_graphs
         self.reports: list[GraphReport] = []
         self.rewrites: list[Rewrite] = []
+        self._lost: set[tuple[str, str, str]] = set()  # (kind, module, reason) already warned of
+
+    def _warn_lost(self, report: GraphReport) -> None:
+        """A site an earlier graph aligned, missed in this one (a recompile): a warning, once per
+        site and reason, so that no one trains on a stock site without a word."""
+        for miss in lost_sites(self.reports, report):
+            if (miss.kind, miss.module, miss.reason) not in self._lost:
+                self._lost.add((miss.kind, miss.module, miss.reason))
+                log.warning("rla: the %s site in %s was aligned in an earlier graph but not in %s (a recompile): %s",
+                            miss.kind, miss.module, report.graph, miss.reason)
 
     def __repr__(self) -> str:
         return f"rla_compile.Backend({self.options})"
@@ -77,6 +87,7 @@ class Backend:
             return self._compile_unaligned(gm, example_inputs, kwargs.get("mode"), subclass, error)
         seconds = {"retrace": time.perf_counter() - start}
         report, rewrite = align_and_record(aten_gm, self.options, graph_name(), keep_graphs=self.keep_graphs, seconds=seconds)
+        self._warn_lost(report)
         self.reports.append(report)
         if self.keep_graphs:
             self.rewrites.append(rewrite)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from .ops import dtype_name
 
-__all__ = ["SiteReport", "NearMiss", "GraphReport", "STATUSES"]
+__all__ = ["SiteReport", "NearMiss", "GraphReport", "STATUSES", "lost_sites"]
 
 STATUSES = ("rewritten", "already_aligned", "skipped")
 
@@ -122,3 +122,11 @@ class GraphReport:
             lines.append(f"near misses ({len(self.near_misses)}):")
             lines += [f"  {m.kind}: {m.reason}" for m in self.near_misses]
         return "\n".join(lines)
+
+
+def lost_sites(earlier: list[GraphReport], report: GraphReport) -> list[NearMiss]:
+    """The near misses of `report` at a site that an `earlier` graph rewrote: the same kind in
+    the same module (a recompile, e.g. for a new sequence length, that lost a site aligned
+    before). Near misses without a module are never matched: nothing says they are the same site."""
+    aligned = {(s.kind, s.module) for r in earlier for s in r.sites if s.status == "rewritten" and s.module}
+    return [m for m in report.near_misses if m.module and (m.kind, m.module) in aligned]

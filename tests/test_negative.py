@@ -381,3 +381,42 @@ def test_flex_attention_is_a_near_miss_with_the_reason():
     (miss,) = [m for m in result.report.near_misses if m.kind == "attention"]
     assert "flex_attention is not rewritten" in miss.reason and "score_mod" in miss.reason
     assert result.report.count("attention") == 0
+
+
+class _DroppedAttention(torch.nn.Module):
+    """Eager attention with dropout on the probabilities: aligned in eval, a near miss in training."""
+
+    def forward(self, q, k, v):
+        p = torch.softmax((q @ k.transpose(-1, -2)) * 0.25, -1, dtype=torch.float32).to(q.dtype)
+        return F.dropout(p, 0.1, self.training) @ v
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _DroppedAttention()  # sites and near misses name their module: "attn"
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v)
+
+
+def test_a_site_lost_in_a_recompile_is_a_warning_once(caplog):
+    """A site the first graph aligned and a recompiled graph of the same module misses: the user
+    hears of it at warning level, with the reason, once (not once per graph or step)."""
+    module = _Block().eval()
+    backend = rla_compile.Backend(compiler="aot_eager", sites=ATTENTION)
+    compiled = torch.compile(module, backend=backend)
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="rla_compile"):
+        compiled(Q, K, V)
+        assert not caplog.records  # aligned: nothing to say
+        module.train()
+        for _ in range(2):
+            compiled(Q, K, V)
+        module.eval()
+        compiled(Q, K, V)
+    torch._dynamo.reset()
+    assert [r.count("attention", "rewritten") for r in backend.reports][:2] == [1, 0]
+    lost = [r.getMessage() for r in caplog.records if "aligned in an earlier graph" in r.getMessage()]
+    assert len(lost) == 1, lost
+    assert "the attention site in" in lost[0] and "dropout(p=0.1) on the probabilities in training" in lost[0]
