@@ -60,7 +60,9 @@ def test_a_registered_sites_engine_settings_reach_vllm(monkeypatch):
     user's own values win) and its environment, for engines started from this process."""
     from rla_compile.integrations import vllm as rla_vllm
 
-    monkeypatch.delenv("TOY_SPLIT", raising=False)
+    import os
+
+    assert "TOY_SPLIT" not in os.environ
     with sites.registered(TOY):
         opts = Options(sites=frozenset({"toy_tanh"}))
         assert rla_vllm._engine_overrides(opts, None) == {"toy_dtype": "float32"}
@@ -68,7 +70,11 @@ def test_a_registered_sites_engine_settings_reach_vllm(monkeypatch):
         assert rla_vllm._engine_overrides(opts, {"x": 1}) == {"x": 1, "toy_dtype": "float32"}
         assert rla_vllm._engine_overrides(Options(), None) is None  # not selected: nothing
         rla_vllm._prepare_process(opts)
-        assert __import__("os").environ["TOY_SPLIT"] == "0"
+        try:
+            assert os.environ["TOY_SPLIT"] == "0"
+        finally:
+            rla_vllm.undo()
+    assert "TOY_SPLIT" not in os.environ  # undo() restores the environment too: nothing leaks into later tests
 
 
 def test_every_declared_hook_is_implemented():

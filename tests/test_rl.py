@@ -306,6 +306,23 @@ def test_enable_sets_the_vllm_switch(monkeypatch):
     assert rla_vllm.options_from_env() is None
 
 
+def test_disable_leaves_the_environment_as_it_found_it(monkeypatch):
+    """A variable the user had set before `enable()` is theirs again after `disable()`; one that
+    was unset is unset again."""
+    from rla_compile.integrations import trl as rla_trl
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setenv("RLA_VLLM_OPTIONS", '{"sites": ["rope"]}')  # the user's own
+    monkeypatch.delenv("RLA_VLLM", raising=False)
+    before = dict(os.environ)
+    rla_trl.enable(trainer=False, sites=["swiglu"])
+    try:
+        assert os.environ["RLA_VLLM"] == "1" and json.loads(os.environ["RLA_VLLM_OPTIONS"])["sites"] == ["swiglu"]
+    finally:
+        rla_trl.disable()
+    assert dict(os.environ) == before
+
+
 def test_enable_without_trl_says_what_is_on_and_off(monkeypatch, caplog):
     """Without TRL (and vLLM), `enable()` still switches rla on for transformers' Trainer and sets
     the vLLM variables, and says so: the parts it could not switch on, and why, in its return

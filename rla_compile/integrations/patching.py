@@ -1,7 +1,8 @@
-"""The one way rla's integrations change a library's attribute, and the way back.
+"""The one way rla's integrations change a library's attribute or the environment, and the way back.
 
     patch(EngineArgs, "create_engine_config", wrapper)   # records what EngineArgs had
-    undo_all()                                           # every patch undone, newest first
+    setenv("VLLM_CPU_ATTN_SPLIT_KV", "0")                # records the variable as it was (or unset)
+    undo_all()                                           # every change undone, newest first
 
 Each patch records the attribute as it was in the owner's own `__dict__` (or that the owner had
 none and inherited it), so undoing restores exactly that: `Trainer.__init__ is original` again,
@@ -12,11 +13,13 @@ still restores the library's own.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-__all__ = ["patch", "original", "undo_all"]
+__all__ = ["patch", "original", "setenv", "undo_all"]
 
 _ABSENT = object()
+_ENVIRON = object()  # the owner under which environment variables are recorded
 # (owner, name) -> (owner.__dict__'s value before rla's first patch, or _ABSENT; the attribute as
 # read then, inherited included), in the order first patched
 _originals: dict[tuple[Any, str], tuple[Any, Any]] = {}
@@ -37,11 +40,26 @@ def patch(owner: Any, name: str, new: Any) -> None:
     setattr(owner, name, new)
 
 
+def setenv(name: str, value: str) -> None:
+    """Set the environment variable `name`, remembering its value before rla's first change of it."""
+    key = (_ENVIRON, name)
+    if key not in _originals:
+        before = os.environ.get(name, _ABSENT)
+        _originals[key] = (before, before)
+    os.environ[name] = value
+
+
 def undo_all() -> None:
-    """Restore every patched attribute, newest first; a no-op when nothing is patched."""
+    """Restore every patched attribute and environment variable, newest first; a no-op when
+    nothing is patched."""
     while _originals:
         (owner, name), (value, _) = _originals.popitem()
-        if value is _ABSENT:
+        if owner is _ENVIRON:
+            if value is _ABSENT:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        elif value is _ABSENT:
             delattr(owner, name)
         else:
             setattr(owner, name, value)

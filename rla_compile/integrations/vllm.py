@@ -195,7 +195,7 @@ def _prepare_process(opts: Options) -> None:
         for name, value in site.engine_env.items():
             if os.environ.get(name) != value:
                 log.info("rla's %s site: %s=%s for vLLM engines started from this process", site.kind, name, value)
-                os.environ[name] = value
+                patching.setenv(name, value)  # undo() restores it
         for hook in site.engine_hooks:
             ENGINE_HOOKS[hook]()
 
