@@ -196,6 +196,26 @@ def test_mismatch_tool_against_vllm(tmp_path):
 
 @pytestmark_vllm
 @pytest.mark.vllm
+def test_user_loop_benchmark_smoke(tmp_path):
+    """`benchmarks.user_loop` at two lengths: the model loaded as users load it (SDPA), a static
+    then a dynamic graph, every site aligned in both, vLLM scoring prompts of two lengths."""
+    from benchmarks.common import module_command, module_env
+
+    done = subprocess.run(module_command("benchmarks.user_loop", "--lengths", "17", "24", "--configs", "every site",
+                                         "--json", str(tmp_path / "u.json")),
+                          capture_output=True, text=True, env=module_env(), timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "u.json").read_text())["results"]
+    assert result["config"] == "every site" and result["trainer_attention"] == "default (sdpa)"
+    graphs = result["trainer_graphs"]
+    assert len(graphs) >= 2 and all(not g["attention_near_misses"] for g in graphs), graphs
+    assert graphs[0]["attention"] >= 1 and graphs[-1]["attention"] >= 1  # the static graph and the dynamic one
+    assert result["positions"] == 16 + 23 and [p["tokens"] for p in result["per_prompt"]] == [17, 24]
+    assert 0 <= result["bitwise_equal"] <= 1 and result["mean_abs_dlogprob"] >= 0
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
 def test_decode_stack_scores_the_tokens_as_vllm_generates_them():
     """A `:decode` stack: vLLM generates each sequence's sampled part after its prompt, forced
     to the sequence's tokens, and returns full distributions for every position; they are

@@ -200,16 +200,18 @@ def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdi
 def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch.Tensor,
                     workdir: Path | None = None, prompt_tokens: int | None = None) -> dict:
     """Run `python -m module REQUEST.json` for `stack` in a fresh process (in-process engine,
-    fresh vLLM and Inductor caches) and return what it saved."""
-    if stack.decode and not (prompt_tokens and 0 < prompt_tokens < sequences.shape[1]):
+    fresh vLLM and Inductor caches) and return what it saved. `sequences`: a [B, T] tensor, or
+    a list of token lists of different lengths (prompt scoring only)."""
+    rows = sequences.tolist() if hasattr(sequences, "tolist") else [list(map(int, s)) for s in sequences]
+    if stack.decode and not (prompt_tokens and all(0 < prompt_tokens < len(s) for s in rows)):
         raise ValueError(f"the decode stack {stack.label} generates each sequence after its prompt: give "
-                         f"prompt_tokens between 1 and {sequences.shape[1] - 1}, got {prompt_tokens!r}")
+                         f"prompt_tokens between 1 and {min(map(len, rows)) - 1}, got {prompt_tokens!r}")
     require_vllm("the vLLM stack")
     import torch
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
-        request = {"model_dir": str(model_dir), "sequences": sequences.tolist(), "compiled": stack.compiler == "inductor",
+        request = {"model_dir": str(model_dir), "sequences": rows, "compiled": stack.compiler == "inductor",
                    "dtype": stack.dtype,
                    "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt"),
                    "decode_after": prompt_tokens if stack.decode else None}

@@ -66,19 +66,20 @@ def engine(request: dict):
 
 
 def prompt_logprobs(llm, sequences: list[list[int]]) -> torch.Tensor:
-    """Teacher-forced full-vocabulary logprobs of positions 1..T-1: [B, T-1, V] fp32."""
+    """Teacher-forced full-vocabulary logprobs of positions 1..T-1: [B, T-1, V] fp32. Sequences
+    may differ in length (T the longest): a row's positions past its own end are NaN."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
     params = SamplingParams(max_tokens=1, prompt_logprobs=-1, detokenize=False, temperature=1.0)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
-    logprobs = torch.full((len(sequences), len(sequences[0]) - 1, vocab), float("nan"))
+    logprobs = torch.full((len(sequences), max(len(s) for s in sequences) - 1, vocab), float("nan"))
     for row, out in enumerate(outputs):
         for pos, dist in enumerate(out.prompt_logprobs[1:]):
             ids = torch.tensor(list(dist.keys()))
             logprobs[row, pos, ids] = torch.tensor([lp.logprob for lp in dist.values()], dtype=torch.float32)
-    if torch.isnan(logprobs).any():
+    if any(torch.isnan(logprobs[row, :len(s) - 1]).any() for row, s in enumerate(sequences)):
         raise RuntimeError("vLLM returned fewer than the full vocabulary of prompt logprobs")
     return logprobs
 
