@@ -39,12 +39,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-ablation", action="store_true", help="only off / one side / both")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled continuations")
+    parser.add_argument("--rows", nargs="+", metavar="LABEL", help="only these rows (their labels as the table prints them)")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
     # the floor a trainer-only change cannot go below: a trainer that does not round at all
     rows = configurations(ablation=not args.no_ablation) + [
         ("fp32 trainer, engine stock", Stack.parse("hf-inductor:float32:train"), None)]
+    if args.rows:
+        unknown = [label for label in args.rows if label not in {row[0] for row in rows}]
+        if unknown:
+            parser.error(f"--rows: no row labelled {', '.join(map(repr, unknown))}; the rows are: "
+                         + ", ".join(repr(row[0]) for row in rows))
+        rows = [row for row in rows if row[0] in args.rows]
     inference = args.inference
     if args.decode:
         if args.inference == "hf":

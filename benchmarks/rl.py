@@ -52,54 +52,39 @@ METRICS = {
 }
 
 
-def worker(config: str, steps: int, seed: int, progress=sys.stdout) -> dict:
-    """One GRPO run in this process; returns TRL's per-step metrics. Progress lines go to
-    `progress` (stdout: the parent passes them on; the result is the last line)."""
+LENGTHS = (12, 20, 28, 36, 44, 52, 60, 68)  # one prompt of each length (tokens): a user's prompts differ in length
+
+
+def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.stdout) -> dict:
+    """One GRPO run in this process, as the docs tell users to run it (docs/rl.md): the policy a
+    model object loaded with `from_pretrained(dir, dtype=torch.bfloat16)` (HF's default
+    attention), rla switched on by `rla_trl.enable(...)` alone, prompts of different lengths.
+    Returns TRL's per-step metrics. Progress lines go to `progress` (stdout: the parent passes
+    them on; the result is the last line)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import rla_compile
     import rla_compile.integrations.trl as rla_trl
     from rla_compile import bundled
-
-    import torch
-
     from rla_compile.mismatch.metrics import k3
 
     trainer_backend, rla_vllm, sites = CONFIGS[config]
     options = {"sites": sites} if sites else {}
-    if rla_vllm:
-        rla_trl.enable(trainer=False, **options)  # RLA_VLLM=1 for TRL's engine
-    if sites and "logits" in sites:
-        rla_trl.align_logprob_head()  # TRL's own logprob head, outside the compiled graph
+    rla_trainer = trainer_backend == "rla"
+    if rla_trainer or rla_vllm:
+        rla_trl.enable(trainer=rla_trainer, vllm=rla_vllm, **options)  # the documented line (one side: one half)
+    # what enable() does besides rla, for the configurations without its half too, so that every
+    # configuration runs the same loop: vLLM-CPU's weight sync works, the policy stays compiled
     rla_trl.fix_weight_sync()
-    rla_trl.fix_checkpointing_hooks()  # every configuration: else the compiled policy turns eager after 8 steps
-    compiles = {"graphs": 0, "seconds": 0.0}
+    rla_trl.fix_checkpointing_hooks()
 
-    def counted(backend):
-        """The trainer's backend, counting the graphs it compiles (first compile and recompiles)."""
-        def compile_graph(gm, example_inputs, **kwargs):
-            start = time.perf_counter()
-            try:
-                return backend(gm, example_inputs, **kwargs)
-            finally:
-                compiles["graphs"] += 1
-                compiles["seconds"] += time.perf_counter() - start
-        return compile_graph
-
-    class CompileCallback(TrainerCallback):  # the policy compiled in place, plain Inductor or rla
-        backend = None
-
+    class InductorCallback(TrainerCallback):  # no rla on the trainer: the policy compiled in place, plain Inductor
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if trainer_backend == "rla":  # paired with vLLM's own kernels here, as enable() does
-                self.backend = rla_compile.Backend(rla_trl.paired_with_engine(rla_compile.Options.from_dict(options), args))
-                model.compile(backend=counted(self.backend))
-            else:
-                model.compile(backend=counted(torch._dynamo.lookup_backend("inductor")))
-
+            model.compile(backend="inductor")
 
     class MeasuredGRPOTrainer(GRPOTrainer):
         """Logs k3 (rla_compile.mismatch.metrics) on the tokens TRL's own mismatch metric uses:
@@ -125,30 +110,36 @@ def worker(config: str, steps: int, seed: int, progress=sys.stdout) -> dict:
                       f"{number(METRICS['logp_diff_mean']):.5f}, k3 {number('rla/k3'):.2e}, "
                       f"reward {number('reward'):.3f}, {number('step_time'):.1f} s", file=progress, flush=True)
 
-    callback = CompileCallback()
-    dataset = Dataset.from_dict({"prompt": [bundled.decode(p) for p in bundled.prompts(n=8, length=32)]})
+    n = len(lengths)
+    prompts = [bundled.prompts(n=n, length=length)[i] for i, length in enumerate(lengths)]
+    dataset = Dataset.from_dict({"prompt": [bundled.decode(p) for p in prompts]})
+    model = AutoModelForCausalLM.from_pretrained(bundled.MODEL_DIR, dtype=torch.bfloat16)  # as users load it
 
     def lowercase_share(completions, **kwargs):
         return [sum(c.islower() for c in text) / max(1, len(text)) for text in completions]
 
+    torch._dynamo.utils.counters.clear()
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, max_steps=steps, per_device_train_batch_size=8, num_generations=4,
+            output_dir=out, max_steps=steps, per_device_train_batch_size=n, num_generations=4,
             max_completion_length=32, learning_rate=1e-4, logging_steps=1, seed=seed,
-            model_init_kwargs={"dtype": "bfloat16"}, bf16=False, use_cpu=True, report_to="none",
+            bf16=False, use_cpu=True, report_to="none",
             save_strategy="no", use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
         )
-        trainer = MeasuredGRPOTrainer(model=str(bundled.MODEL_DIR), reward_funcs=lowercase_share, args=args,
-                              train_dataset=dataset, callbacks=[callback])
+        trainer = MeasuredGRPOTrainer(model=model, reward_funcs=lowercase_share, args=args, train_dataset=dataset,
+                                      callbacks=[] if rla_trainer else [InductorCallback()])
         trainer.train()
     logs = [log for log in trainer.state.log_history if METRICS["logp_diff_mean"] in log]
     rows = [{"step": log["step"], **{k: log.get(v) for k, v in METRICS.items()}} for log in logs]
-    sites = None
-    if trainer_backend == "rla" and callback.backend is not None:
-        sites = [r.counts() for r in callback.backend.reports if r.sites]
-    rounding = dict(callback.backend.options.rounding) if trainer_backend == "rla" and callback.backend else None
-    return {"config": config, "seed": seed, "steps": rows, "trainer_sites": sites, "trainer_rounding": rounding,
-            "compiled_graphs": compiles["graphs"], "compile_seconds": compiles["seconds"]}
+    callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, rla_trl.RlaCallback)), None)
+    backend = callback.backend if callback is not None else None
+    return {"config": config, "seed": seed, "steps": rows, "prompt_lengths": list(lengths),
+            "policy": "model object, from_pretrained(dir, dtype=torch.bfloat16), default attention "
+                      f"({model.config._attn_implementation})",
+            "trainer_sites": [r.counts() for r in backend.reports if r.sites] if backend else None,
+            "trainer_rounding": dict(backend.options.rounding) if backend else None,
+            "near_misses": sorted({f"{m.kind}: {m.reason}" for r in backend.reports for m in r.near_misses}) if backend else None,
+            "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
 
 
 def run(config: str, steps: int, seed: int) -> dict:
@@ -176,7 +167,7 @@ def run(config: str, steps: int, seed: int) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [f"{'config':11} {'seed':>4} {'steps':>5} {'logp-diff mean':>14} {'logp-diff max':>13} {'k3':>9} "
-             f"{'IS ratio mean':>13} {'reward':>7} {'step s':>7} {'graphs':>6} {'compile s':>9}"]
+             f"{'IS ratio mean':>13} {'reward':>7} {'step s':>7} {'graphs':>6}"]
     for r in results:
         rows = r["steps"]
 
@@ -186,8 +177,7 @@ def table(results: list[dict]) -> str:
 
         lines.append(f"{r['config']:11} {r['seed']:>4} {len(rows):>5} {mean('logp_diff_mean'):>14.5f} "
                      f"{mean('logp_diff_max'):>13.4f} {mean('k3'):>9.2e} {mean('is_ratio_mean'):>13.4f} "
-                     f"{mean('reward'):>7.4f} {mean('step_time'):>7.2f} {r.get('compiled_graphs', 0):>6} "
-                     f"{r.get('compile_seconds', 0.0):>9.1f}")
+                     f"{mean('reward'):>7.4f} {mean('step_time'):>7.2f} {r.get('compiled_graphs', 0):>6}")
     return "\n".join(lines)
 
 
@@ -206,7 +196,7 @@ def summary(results: list[dict]) -> str:
         return f"{statistics.fmean(values):.5f} [{min(values):.5f}, {max(values):.5f}]"
 
     lines = [f"{'config':11} {'seeds':>5}  {'logp-diff mean [min, max over seeds]':>36}  {'k3 x1e5':>16}  "
-             f"{'vs stock (paired)':>22}  {'reward (last 5)':>15}  {'graphs':>6}  {'compile s':>9}"]
+             f"{'vs stock (paired)':>22}  {'reward (last 5)':>15}  {'graphs':>6}"]
     stock = by_config.get("stock", {})
     for config in [c for c in CONFIGS if c in by_config]:
         runs = by_config[config]
@@ -215,11 +205,10 @@ def summary(results: list[dict]) -> str:
         ratios = [run_mean(r, "logp_diff_mean") / run_mean(stock[s], "logp_diff_mean") for s, r in runs.items() if s in stock]
         rewards = [statistics.fmean(row["reward"] for row in r["steps"][-5:]) for r in runs.values()]
         graphs = [r.get("compiled_graphs", 0) for r in runs.values()]
-        compile_s = [r.get("compile_seconds", 0.0) for r in runs.values()]
         vs = (f"{statistics.fmean(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]" if ratios else "-")
         lines.append(f"{config:11} {len(runs):>5}  {spread(diffs):>36}  {statistics.fmean(k3s):>7.2f} "
                      f"[{min(k3s):.1f}-{max(k3s):.1f}]  {vs:>22}  {statistics.fmean(rewards):>15.3f}  "
-                     f"{statistics.fmean(graphs):>6.1f}  {statistics.fmean(compile_s):>9.1f}")
+                     f"{statistics.fmean(graphs):>6.1f}")
     return "\n".join(lines)
 
 

@@ -86,6 +86,7 @@ def _site_counts(reports):
     return [{k: sum(1 for s in r["sites"] if s["kind"] == k) for k in LAYER} for r in reports if r["sites"]]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("setup, boundaries", [("fsdp_per_layer", True), ("fsdp_root", False)])
 def test_fsdp2_training_equals_single_process_contract_reference(distributed, setup, boundaries):
     """3 AdamW steps on 2 ranks: losses and the gathered parameters, bit for bit."""
@@ -151,6 +152,7 @@ def _sites_per_rank(got):
             for reports in got["reports"]]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("setup", ["tp", "tp_sp"])
 def test_tensor_parallel_equals_single_process_contract_reference(distributed, setup):
     """Colwise/Rowwise projections (tp) and torchtitan's plan with sequence-parallel norms
@@ -162,6 +164,7 @@ def test_tensor_parallel_equals_single_process_contract_reference(distributed, s
     assert _tp_mismatches(got, *_tp_step(setup == "tp_sp", "contract")) == (0, 0)
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_x_tensor_parallel_equals_single_process_contract_reference(distributed_2d):
     """torchtitan's 2D on 4 ranks (dp=2 x tp=2, FSDP2 per layer, each layer compiled): per rank
     one graph per layer with every layer site rewritten; logits and gradients bit for bit."""
@@ -170,11 +173,13 @@ def test_fsdp2_x_tensor_parallel_equals_single_process_contract_reference(distri
     assert _tp_mismatches(got, *_tp_step(True, "contract", cut=True)) == (0, 0)
 
 
+@pytest.mark.multiprocess
 def test_tensor_parallel_equals_rla_on_one_process(distributed):
     """The plain plan: rla on one process, on a model with TP's arithmetic, gives TP's bits."""
     assert _tp_mismatches(distributed["tp"], *_tp_step(False, "rla")) == (0, 0)
 
 
+@pytest.mark.multiprocess
 def test_tp_reference_models_tensor_parallel_arithmetic(distributed):
     """Without rla on either side, torchtitan's plan compiled as written (aot_eager) equals the
     one-process model of TP's arithmetic with the model's own roundings, bit for bit: the

