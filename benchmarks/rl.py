@@ -47,6 +47,7 @@ METRICS = {
     "is_ratio_max": "sampling/importance_sampling_ratio/max",
     "k3": "rla/k3",
     "reward": "reward",
+    "completion_length": "completions/mean_length",
     "loss": "loss",
     "step_time": "step_time",
 }

@@ -185,6 +185,56 @@ def test_causal_sdpa_at_varying_lengths_stays_aligned(compiler):
     assert "blocks of query rows" in backend.reports[1].sites[0].reason
 
 
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("form", ["whole", "chunked", "vllm_cpu_vec"])
+def test_left_padded_rows_attend_to_nothing_as_sdpa(form, compiler):
+    """Left padding under SDPA's bool mask (HF's default attention on a padded batch, as TRL
+    scores completions): a query row whose every key is masked is 0, as SDPA computes it, with a
+    gradient of 0. It was softmax's 0/0: NaN in the padded rows, which the backward spread to
+    every weight (TRL GRPO with every site: after one step the policy emitted only EOS)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(torch.bfloat16, heads=4, kv_heads=4, tokens=24))
+    pad = 5  # the second sequence is left-padded by 5 tokens
+    keys = torch.ones(2, 24, dtype=torch.bool)
+    keys[1, :pad] = False
+    mask = torch.ones(24, 24, dtype=torch.bool).tril() & keys[:, None, None, :]  # [2, 1, 24, 24]
+
+    def padded(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    rounding = {"attention": "vllm_cpu_vec"} if form == "vllm_cpu_vec" else {}
+    backend = rla_compile.Backend(compiler=compiler, sites=["attention"], rounding=rounding)
+    weights = torch.randn(2, 4, 24, 16)
+
+    def run(q, k, v, mask, weights):
+        torch._dynamo.reset()
+        out = torch.compile(padded, backend=backend, dynamic=form == "chunked")(q, k, v, mask)
+        torch._dynamo.reset()
+        return out, torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
+
+    got, grads = run(q, k, v, mask, weights)
+    report = backend.reports[0]
+    assert report.count("attention", "rewritten") == 1, report
+    assert ("blocks of query rows" in report.sites[0].reason) == (form == "chunked")
+    stock = padded(q, k, v, mask)
+    assert torch.equal(stock[1, :, :pad], torch.zeros_like(stock[1, :, :pad]))  # what SDPA computes there
+    assert torch.equal(got[1, :, :pad], stock[1, :, :pad])
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[0][1, :, :pad], torch.zeros_like(grads[0][1, :, :pad]))  # nothing flows from them
+    assert not grads[1][1, :, :pad].any() and not grads[2][1, :, :pad].any()  # nor to the padding's keys
+    # the padded sequence's own rows: as the sequence alone, unpadded
+    alone = [t[1:, :, pad:].detach().requires_grad_() for t in (q, k, v)]
+    got_alone, grads_alone = run(*alone, mask[1:, :, pad:, pad:], weights[1:, :, pad:])
+    exact = not (compiler == "inductor" and form == "whole")  # Inductor's own softmax: its sums follow the row's length
+    check = torch.equal if exact else (lambda a, b: torch.allclose(a.float(), b.float(), rtol=0.02, atol=0.02))
+    assert check(got[1:, :, pad:], got_alone)
+    assert all(check(g[1:, :, pad:], a) for g, a in zip(grads, grads_alone))
+    if form != "vllm_cpu_vec" and compiler == "aot_eager":  # the contract, bit for bit
+        want = ref.attention(q, k, v, mask=mask)
+        assert torch.equal(got, want)
+        want_grads = torch.autograd.grad((want.float() * weights).sum(), (q, k, v))
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+
+
 def test_rows_per_block_follows_the_budget(monkeypatch):
     monkeypatch.setenv("RLA_ATTENTION_CHUNK_MIB", "1")
     assert attention_chunked.rows_per_block(1, 16, 1024, 1024) == (1 << 20) // (16 * 1024 * 4)  # 16 rows

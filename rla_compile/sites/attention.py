@@ -104,7 +104,13 @@ class _Attention:
             scores = e.mul(e.tanh(e.div(scores, self.softcap)), self.softcap)
         if self.mask is not None:
             scores = self.mask.apply(e, scores, roles)
-        return e.matmul(e.softmax(scores, kind="attention"), v, name="attention")  # P stays fp32
+        if self.mask is None or self.mask.how == "causal":  # every query keeps a key
+            return e.matmul(e.softmax(scores, kind="attention"), v, name="attention")  # P stays fp32
+        # a query row whose every key is masked (left padding) gets P = 0, as SDPA computes it, not
+        # softmax's 0/0; its scores become 0 first, so the backward reads no NaN either
+        alive = e.call(aten.any.dim, e.call(aten.ne.Scalar, scores, -math.inf), -1, True, name="alive_rows")
+        probs = e.softmax(e.where(alive, scores, 0.0), kind="attention")
+        return e.matmul(e.where(alive, probs, 0.0), v, name="attention")
 
     def _chunked(self, q: Node, k: Node, roles: dict[str, Node]) -> bool:
         """Whether to emit the chunked form (sites/attention_chunked.py): where the fp32 scores

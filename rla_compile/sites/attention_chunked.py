@@ -31,7 +31,7 @@ import os
 
 import torch
 
-__all__ = ["attention", "rows_per_block", "blocks", "budget_bytes", "CHUNK_ABOVE_BYTES", "MIN_ROWS"]
+__all__ = ["attention", "safe_softmax", "rows_per_block", "blocks", "budget_bytes", "CHUNK_ABOVE_BYTES", "MIN_ROWS"]
 
 # One block's fp32 scores at most this many MiB by default: on this CPU (AMD EPYC, 2 cores,
 # Qwen3-0.6B's 16 heads of 128) forward + backward took about the whole form's time from 1024 to
@@ -101,8 +101,16 @@ def _block(q, k, v, bias, remove, fill: float, causal: bool, softcap: float | No
         keys = torch.arange(k.shape[-2], device=q.device)
         above = keys[None, :] > torch.arange(start, start + rows, device=q.device)[:, None]
         scores = scores.masked_fill(above, -math.inf)
-    probs = torch._softmax(scores, -1, False)
+    probs = safe_softmax(scores)
     return torch.matmul(probs, v), probs, above, capped
+
+
+def safe_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last dimension, with P = 0 in a row whose every score is -inf (a
+    query every key of which is masked: left padding), as SDPA computes it, instead of 0/0.
+    Other rows: `_softmax`'s bits. The backward (`_softmax_backward_data` on P) is then 0 there."""
+    alive = (scores != -math.inf).any(-1, keepdim=True)  # no branch on it: traced in a backward too
+    return torch._softmax(scores.masked_fill(~alive, 0.0), -1, False).masked_fill(~alive, 0.0)
 
 
 def _rows(mask: torch.Tensor, start: int, rows: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ import math
 import torch
 
 from .. import native
+from .attention_chunked import safe_softmax
 
 __all__ = ["attention", "kv_tile", "variant", "implementation"]
 
@@ -355,7 +356,7 @@ def _contract(q, k, v, bias, causal: bool):
         scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu(1), -math.inf)
     if bias is not None:
         scores = scores + bias
-    probs = torch._softmax(scores, -1, False)
+    probs = safe_softmax(scores)  # a row every key of which is masked (left padding): P = 0, as SDPA
     return torch.matmul(probs, v), probs
 
 

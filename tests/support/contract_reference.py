@@ -91,7 +91,8 @@ def attention(q, k, v, mask=None, scale=None, causal=False, softcap=None, groups
               rounding="nearest"):
     """Attention from fp32 q, k, v, rounded once: q × scale first (1/sqrt(E) by default), scores
     q·kᵀ, soft-cap tanh(s / c) * c, the mask (float: added; bool: True keeps, the rest `fill`;
-    `causal`: keys after the query removed), softmax, P · v; grouped k/v heads repeated in fp32.
+    `causal`: keys after the query removed), softmax, P · v; grouped k/v heads repeated in fp32;
+    a row whose every key is masked is 0.
     `rounding` "toward_zero": the one rounding drops the low bits (bf16 only)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qf = q.to(torch.float32) * scale
@@ -108,7 +109,10 @@ def attention(q, k, v, mask=None, scale=None, causal=False, softcap=None, groups
         scores = scores.masked_fill(~mask, fill)
     elif mask is not None:
         scores = scores + mask.to(torch.float32)
-    out = torch.softmax(scores, dim=-1) @ vf
+    # a query row every key of which is masked (left padding) attends to nothing: 0, as SDPA
+    # computes it (its scores zeroed first, so the backward stays finite)
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    out = (torch.softmax(scores.masked_fill(dead, 0.0), dim=-1) * ~dead) @ vf
     if rounding == "toward_zero":  # the gradient passes as through a cast
         return (out + (round_toward_zero(out).to(torch.float32) - out).detach()).to(torch.bfloat16)
     return out.to(q.dtype)
