@@ -46,6 +46,7 @@ METRICS = {
     "is_ratio_mean": "sampling/importance_sampling_ratio/mean",
     "is_ratio_max": "sampling/importance_sampling_ratio/max",
     "k3": "rla/k3",
+    "bitwise": "rla/bitwise",  # the share of those tokens whose two logprobs are equal, bit for bit
     "reward": "reward",
     "completion_length": "completions/mean_length",
     "loss": "loss",
@@ -98,6 +99,7 @@ def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.std
                 delta = (old - sampled)[output["completion_mask"].bool()]
                 delta = delta[~torch.isnan(delta)]
                 self._metrics["train"]["rla/k3"].append(k3(delta) if delta.numel() else float("nan"))
+                self._metrics["train"]["rla/bitwise"].append(float((delta == 0).float().mean()) if delta.numel() else float("nan"))
             return output
 
         def log(self, logs, start_time=None):
@@ -108,7 +110,7 @@ def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.std
                     return float("nan") if value is None else value
 
                 print(f"    {config} seed {seed} step {self.state.global_step}/{steps}: logp-diff mean "
-                      f"{number(METRICS['logp_diff_mean']):.5f}, k3 {number('rla/k3'):.2e}, "
+                      f"{number(METRICS['logp_diff_mean']):.5f}, k3 {number('rla/k3'):.2e}, bitwise {number('rla/bitwise'):.3f}, "
                       f"reward {number('reward'):.3f}, {number('step_time'):.1f} s", file=progress, flush=True)
 
     n = len(lengths)

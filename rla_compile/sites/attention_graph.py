@@ -13,7 +13,56 @@ from torch.fx import Node
 from .. import ops
 from ..emit import Emitter
 
-MATMUL = ("matmul", "bmm")
+MATMUL = ("matmul", "bmm", "baddbmm", "einsum")  # a product of two tensors, as attention writes it
+
+
+@dataclass(frozen=True)
+class Product:
+    """A product `left @ right` as a graph writes it: matmul or bmm; baddbmm (`beta · bias +
+    alpha · left @ right`); a two-operand einsum over the last two dimensions ("...qd,...kd->...qk"
+    is `left @ rightᵀ`: `transposed=False`, the key as stored). `transposed`: `right` is the
+    key transposed (kᵀ), as matmul's second operand is."""
+
+    left: Node
+    right: Node
+    transposed: bool = True
+    bias: Node | None = None
+    beta: float = 1.0
+    alpha: float = 1.0
+
+
+def einsum_form(node: Node) -> str | None:
+    """'nn' (a @ b) or 'nt' (a @ bᵀ) for a two-operand einsum over the same leading (batch)
+    letters whose last two are a matrix product, else None."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or len(operands) != 2 or "..." in equation or "->" not in equation:
+        return None
+    inputs, out = equation.replace(" ", "").split("->")
+    a, b = inputs.split(",") if inputs.count(",") == 1 else ("", "")
+    if min(len(a), len(b), len(out)) < 2 or not a[:-2] == b[:-2] == out[:-2] or len(set(a)) != len(a):
+        return None
+    (i, contracted), (x, y) = a[-2:], b[-2:]
+    if out[-2:] == i + y and x == contracted and len({i, contracted, y}) == 3:
+        return "nn"
+    if out[-2:] == i + x and y == contracted and len({i, contracted, x}) == 3:
+        return "nt"
+    return None
+
+
+def product(node: Node) -> Product | None:
+    """`node` as a `Product`, or None."""
+    if ops.is_op(node, "matmul", "bmm") and len(node.args) == 2:
+        return Product(*node.args)
+    if ops.is_op(node, "baddbmm"):
+        named = dict(zip(("input", "batch1", "batch2", "beta", "alpha"), node.args)) | node.kwargs
+        beta, alpha = ops.constant(named.get("beta", 1)), ops.constant(named.get("alpha", 1))
+        if beta is None or alpha is None:
+            return None
+        return Product(named["batch1"], named["batch2"], True, named["input"], float(beta), float(alpha))
+    if ops.is_op(node, "einsum") and (form := einsum_form(node)) is not None:
+        left, right = node.args[1]
+        return Product(left, right, transposed=form == "nn")
+    return None
 
 
 @dataclass(frozen=True)
@@ -148,6 +197,9 @@ def kind_of_mask(node: Node, scores_from: Node) -> tuple[Node, Mask, dict[str, N
         return scores, Mask("add"), {"mask": mask}
     if ops.is_op(node, "masked_fill") and ops.constant(node.args[2]) is not None:
         return node.args[0], Mask("fill", ops.constant(node.args[2])), {"mask": node.args[1]}
+    if ops.is_op(node, "masked_fill_") and ops.constant(node.args[2]) is not None and len(node.args[0].users) == 1:
+        # in place, on scores nothing else reads: the same fill
+        return node.args[0], Mask("fill", ops.constant(node.args[2])), {"mask": node.args[1]}
     if ops.is_op(node, "where") and len(node.args) == 3:
         cond, a, b = node.args
         keep_first = leads_to(a, scores_from)
@@ -168,7 +220,7 @@ def first_matmul(node: object, depth: int = 8) -> Node | None:
     """The nearest matmul among node's floating-point inputs (not a mask's bool chain)."""
     frontier = [node] if isinstance(node, Node) else []
     for _ in range(depth):
-        found = [n for n in frontier if ops.is_op(n, *MATMUL)]
+        found = [n for n in frontier if product(n) is not None]
         if found:
             return found[0]
         frontier = [p for n in frontier for p in n.all_input_nodes

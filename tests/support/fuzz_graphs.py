@@ -457,7 +457,8 @@ class _Builder:
         d0, d1, D = self.shape
         H, hd = self.heads, self.head_dim
         kv = self.pick([H, 1]) if H > 1 else 1
-        style = self.pick(["eager", "eager_bf16_softmax", "q_scaled", "div", "sdpa"])
+        style = self.pick(["eager", "eager_bf16_softmax", "q_scaled", "div", "sdpa", "einsum", "bmm", "baddbmm",
+                           "inplace_fill"])
         causal = self.pick([False, True])
         softcap = self.pick([None, 30.0]) if style.startswith("eager") else None
         wk, wv = (self.input("matrix", (D, kv * hd), self.dtype, w) for w in ("wk", "wv"))
@@ -466,8 +467,44 @@ class _Builder:
                   f"v = (h @ {wv}).reshape({d0}, {d1}, {kv}, {hd}).transpose(1, 2)")
         root = math.sqrt(hd)
         scale = 1.0 / root if style == "div" else hd**-0.5
+        mask = None  # an additive mask the reference adds (baddbmm's bias)
+        tril = f"torch.ones({d1}, {d1}, dtype=torch.bool).tril()"
         if style == "sdpa":
             model = [f"o = F.scaled_dot_product_attention(q, k, v, is_causal={causal}, enable_gqa={kv != H})"]
+        elif style in ("einsum", "bmm", "baddbmm", "inplace_fill"):  # the other spellings people write
+            model = [f"k = k[:, :, None].expand({d0}, {kv}, {H // kv}, {d1}, {hd}).reshape({d0}, {H}, {d1}, {hd})",
+                     f"v = v[:, :, None].expand({d0}, {kv}, {H // kv}, {d1}, {hd}).reshape({d0}, {H}, {d1}, {hd})"]
+            fill = "float('-inf')" if style == "einsum" else f"torch.finfo({self.T}).min"
+            flat = f"{d0 * H}, {d1}"
+            if style == "einsum":
+                model.append(f"s = torch.einsum('bhqd,bhkd->bhqk', q, k) * {scale!r}")
+            elif style == "inplace_fill":
+                model.append(f"s = torch.matmul(q, k.transpose(-1, -2)) * {scale!r}")
+            else:  # heads flattened into the batch
+                model.append(f"q3, k3, v3 = (t.reshape({flat}, {hd}) for t in (q, k, v))")
+                if style == "bmm":
+                    model.append(f"s = torch.bmm(q3, k3.transpose(1, 2)) * {scale!r}")
+                else:  # ALiBi's spelling: the bias added by baddbmm, the scale as its alpha
+                    mask = self.input("act", (d0, H, d1, d1), self.dtype, "bias")
+                    self.both(f"bias = {mask}" + (f".masked_fill(~{tril}, torch.finfo({self.T}).min)" if causal else ""))
+                    model.append(f"s = torch.baddbmm(bias.reshape({flat}, {d1}), q3, k3.transpose(1, 2), beta=1, "
+                                 f"alpha={scale!r})")
+            if causal and style == "inplace_fill":
+                model.append(f"s.masked_fill_(~{tril}, {fill})")
+            elif causal and style == "baddbmm":
+                causal = False  # folded into the bias
+            elif causal:
+                model.append(f"s = s.masked_fill(~{tril}, {fill})")
+            if style == "einsum":
+                model += ["p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)",
+                          "o = torch.einsum('bhqk,bhkd->bhqd', p, v)"]
+            elif style == "inplace_fill":
+                model += ["p = torch.softmax(s.float(), dim=-1).to(q.dtype)", "o = p @ v"]
+            else:
+                model += ["p = torch.softmax(s.float(), dim=-1).to(q.dtype)",
+                          f"o = torch.bmm(p, v3).reshape({d0}, {H}, {d1}, {hd})"]
+            if style != "einsum" and causal:  # the dtype's minimum, as the model fills: the reference too
+                causal = None
         else:
             model = [f"k = k[:, :, None].expand({d0}, {kv}, {H // kv}, {d1}, {hd}).reshape({d0}, {H}, {d1}, {hd})",
                      f"v = v[:, :, None].expand({d0}, {kv}, {H // kv}, {d1}, {hd}).reshape({d0}, {H}, {d1}, {hd})"]
@@ -485,7 +522,14 @@ class _Builder:
                          else "p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)")
             model.append("o = p @ v")
         scale = None if style == "sdpa" else scale  # SDPA's default: 1 / math.sqrt(E), as the reference's
-        reference = [f"o = ref.attention(q, k, v, scale={scale!r}, causal={causal}, softcap={softcap}, groups={H // kv})"]
+        if causal is None:  # filled with the dtype's minimum: a bool mask and that fill, in the reference
+            reference = [f"o = ref.attention(q, k, v, mask={tril}, fill=torch.finfo({self.T}).min, scale={scale!r}, "
+                         f"softcap={softcap}, groups={H // kv})"]
+        else:
+            reference = [f"o = ref.attention(q, k, v, scale={scale!r}, causal={causal}, softcap={softcap}, "
+                         f"groups={H // kv})"]
+        if mask is not None:  # the bias (an ALiBi-like additive mask, the causal one folded in): an input of both
+            reference = [reference[0].replace("ref.attention(q, k, v, ", "ref.attention(q, k, v, mask=bias, ")]
         self.fork(model, reference if self.low else model)
         self.both(f"h = o.transpose(1, 2).reshape({d0}, {d1}, {D})")
         self.site("attention", False, f"style={style} causal={causal} softcap={softcap} kv_heads={kv}/{H}")
