@@ -1,7 +1,7 @@
 """The attention site's forms side by side, one attention op, forward and backward: the
 contract's own (matmul, softmax, matmul in fp32, [B, H, L, S] scores whole), its chunked form
-(the same ops over blocks of query rows, sites/attention_chunked.py), the engine-paired
-`vllm_cpu_vec` (the contract in vLLM-CPU's kernel order, sites/attention_vllm_cpu.py; its C
+(the same ops over blocks of query rows, sites/attention/chunked.py), the engine-paired
+`vllm_cpu_vec` (the contract in vLLM-CPU's kernel order, sites/attention/vllm_cpu.py; its C
 form, and up to 256 tokens its Python reference), as the rla backend emits them (aot_eager:
 the chunked and vllm_cpu_vec ops are extern kernels under Inductor too); against plain SDPA
 and fp32 SDPA (q × scale, k and v upcast, ATen's fused kernel in fp32, rounded once: the
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import rla_compile
-from rla_compile.sites import attention_chunked, attention_vllm_cpu
+from rla_compile.sites.attention import chunked as attention_chunked, vllm_cpu as attention_vllm_cpu
 
 from .common import ROOT, saved_bytes_of, write
 

@@ -1,4 +1,4 @@
-"""The attention site's chunked form (sites/attention_chunked.py): the contract one block of
+"""The attention site's chunked form (sites/attention/chunked.py): the contract one block of
 query rows at a time, for long sequences.
 
 Compared with the contract's eager fp32 reference (`contract_reference.attention`, written
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import contract_reference as ref
 import rla_compile
 from rla_compile.mismatch.metrics import ulp_distance
-from rla_compile.sites import attention_chunked
+from rla_compile.sites.attention import chunked as attention_chunked
 from site_cases import CASES
 
 ATTENTION_CASES = [c for c in CASES if c.kind == "attention" and c.status == "rewritten"]

@@ -1,5 +1,5 @@
 """The attention site's engine-paired form `rounding={"attention": "vllm_cpu_vec"}`
-(rla_compile/sites/attention_vllm_cpu.py): vLLM-CPU's `vec` kernel order in the trainer.
+(rla_compile/sites/attention/vllm_cpu.py): vLLM-CPU's `vec` kernel order in the trainer.
 
 Against the kernel itself, bit for bit: tests/test_vllm.py (needs vLLM). Here, without vLLM:
 its exact-arithmetic pieces against independent references (exact rationals; this machine's
@@ -19,7 +19,7 @@ import torch
 import contract_reference as ref
 import rla_compile
 from rla_compile.config import OptionError
-from rla_compile.sites import attention_vllm_cpu as vec
+from rla_compile.sites.attention import vllm_cpu as vec
 
 
 def _round_to_fp32(exact: Fraction) -> float:
@@ -86,7 +86,7 @@ def test_c_form_is_the_python_form_bit_for_bit(tokens, dim, spread, fused):
 
 
 def test_without_a_compiler_the_python_form_runs_and_says_why(monkeypatch, tmp_path, caplog):
-    from rla_compile import native
+    from rla_compile.sites.attention import native
 
     q, k, v = (t[0] for t in _inputs(batch=1, tokens=24))
     assert vec.implementation() == "c"

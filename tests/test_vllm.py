@@ -413,7 +413,7 @@ def test_vllm_cpu_vec_form_is_the_kernel_bit_for_bit(threads):
     import math
 
     from rla_compile.integrations import vllm_kernels
-    from rla_compile.sites import attention_vllm_cpu as vec
+    from rla_compile.sites.attention import vllm_cpu as vec
 
     isa = vllm_kernels.cpu_attention_kernel()[0]
     if isa != "vec":

@@ -74,8 +74,8 @@ def cpu_attention_rounding(isa: str, head_size: int = 32, block_size: int = 128)
     scores = (qf @ kf.transpose(-1, -2)).masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), -math.inf)
     exact = (torch.softmax(scores, -1) @ vf).transpose(0, 1).contiguous()
     agree = {mode: float((out == _rounded(exact, mode)).double().mean()) for mode in ROUNDING_MODES}
-    if isa == "vec":  # the contract in the kernel's own fp32 order (sites/attention_vllm_cpu.py)
-        from ..sites import attention_vllm_cpu
+    if isa == "vec":  # the contract in the kernel's own fp32 order (sites/attention/vllm_cpu.py)
+        from ..sites.attention import vllm_cpu as attention_vllm_cpu
 
         form = attention_vllm_cpu.attention(qf[None], kf[None], vf[None], None, True)[0].transpose(0, 1)
         agree["vllm_cpu_vec"] = float((out == _rounded(form.contiguous(), attention_vllm_cpu.output_rounding()))

@@ -1,6 +1,6 @@
-/* The attention site's engine-paired form (rla_compile/sites/attention_vllm_cpu.py) in C:
+/* The attention site's engine-paired form (rla_compile/sites/attention/vllm_cpu.py) in C:
  * the fp32 operations of vLLM-CPU's `vec` attention kernel, in its order, one request at a
- * time. Built by rla_compile/native.py with -ffp-contract=off and without
+ * time. Built by rla_compile/sites/attention/native.py with -ffp-contract=off and without
  * -ffast-math, so that every `a * b + c` below is a multiply and an add, each rounded, and
  * fmaf() is the one fused multiply-add; expf() is the C library's, which the kernel's AVX2
  * build calls too. Vectorising the loops (over keys, over the value dimension) keeps each

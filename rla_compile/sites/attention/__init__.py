@@ -31,7 +31,7 @@ probabilities read outside the site (attention weights returned).
 Memory: the replacement materialises fp32 scores and probabilities, [B, H, L, S] each, where
 a fused kernel keeps them in tiles. Where they would exceed 16 MiB, or their size is known at
 run time only (dynamic shapes), the site emits the chunked form instead
-(sites/attention_chunked.py): the same ops one block of query rows at a time, its backward
+(sites/attention/chunked.py): the same ops one block of query rows at a time, its backward
 recomputing each block, so neither the forward nor the saved tensors hold [B, H, L, S].
 
 Before (HF eager, one head group):
@@ -60,11 +60,11 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from .. import ops
-from ..emit import Emitter
-from . import attention_chunked  # registers torch.ops.rla.attention_chunked
-from . import attention_graph as reading
-from .base import Match, Miss, Site
+from ... import ops
+from ...emit import Emitter
+from . import chunked as attention_chunked  # registers torch.ops.rla.attention_chunked
+from . import graph as reading
+from ..base import Match, Miss, Site
 
 __all__ = ["SITE", "AttentionMatcher"]
 
@@ -116,7 +116,7 @@ class _Attention:
         return e.matmul(e.where(alive, probs, 0.0), v, name="attention")
 
     def _chunked(self, q: Node, k: Node, roles: dict[str, Node]) -> bool:
-        """Whether to emit the chunked form (sites/attention_chunked.py): where the fp32 scores
+        """Whether to emit the chunked form (sites/attention/chunked.py): where the fp32 scores
         [..., L, S] exceed its budget, or their size is known at run time only."""
         if self.mask is not None and self.mask.how == "where" and "mask_other" in roles:
             return False  # where(cond, scores, a tensor): not a fill the chunked op takes
@@ -143,9 +143,9 @@ class _Attention:
                       self.softcap, name="attention")
 
     def _vllm_cpu_vec(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node]) -> Node:
-        """The contract in vLLM-CPU's `vec` kernel order (sites/attention_vllm_cpu.py): one op,
+        """The contract in vLLM-CPU's `vec` kernel order (sites/attention/vllm_cpu.py): one op,
         the mask handed to it as an additive fp32 bias (or the causal flag)."""
-        from . import attention_vllm_cpu  # registers torch.ops.rla.vllm_cpu_vec_attention
+        from . import vllm_cpu as attention_vllm_cpu  # registers torch.ops.rla.vllm_cpu_vec_attention
 
         bias, causal = (e.fp32(roles["bias"]) if self.bias else None), False
         if self.mask is not None and self.mask.how == "causal":
@@ -343,7 +343,7 @@ class AttentionMatcher:
 
 def vec_output_rounding() -> str:
     """How the `vllm_cpu_vec` form's output rounds here: as vLLM-CPU's vec kernel rounds on this CPU."""
-    from .attention_vllm_cpu import output_rounding
+    from .vllm_cpu import output_rounding
 
     return output_rounding()
 
@@ -367,6 +367,6 @@ SITE = Site(
     # its output rounding is to nearest or toward zero, by how vLLM was built for this CPU: measured
     engine_rounding="cpu_attention",
     # the trainer's attention in the fp32 order of vLLM-CPU's vec kernel, rounded as its build rounds
-    # on this CPU (sites/attention_vllm_cpu.py; the probe pairs it when equal)
+    # on this CPU (sites/attention/vllm_cpu.py; the probe pairs it when equal)
     engine_forms={"vllm_cpu_vec": vec_output_rounding},
 )

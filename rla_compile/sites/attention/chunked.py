@@ -1,7 +1,7 @@
 """The attention site's chunked form: the contract over blocks of query rows, its fp32 scores
 and probabilities never whole in memory (issue #25, item 2; docs/performance.md#chunked).
 
-The contract's form (attention.py) materialises fp32 scores and probabilities [B, H, L, S] and
+The contract's form (`__init__.py`) materialises fp32 scores and probabilities [B, H, L, S] and
 autograd keeps P for the backward: at 2048 tokens and 16 heads that is 268 MB per layer. Each
 query row's attention is independent of the others, so `rla::attention_chunked` computes the
 same ops, in the same order, one block of rows at a time: q_rows · kᵀ, soft-cap, mask,

@@ -1,4 +1,4 @@
-"""Reading attention's pieces off a graph, for `attention.py`'s matcher: casts and exact
+"""Reading attention's pieces off a graph, for the matcher (`__init__.py`): casts and exact
 upcasts looked through, scalar operands and run-time scale factors, grouped k/v undone, masks
 told apart, soft-caps recognised, and the nodes a matched region owns."""
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from .. import ops
-from ..emit import Emitter
+from ... import ops
+from ...emit import Emitter
 
 MATMUL = ("matmul", "bmm", "baddbmm", "einsum")  # a product of two tensors, as attention writes it
 
