@@ -170,16 +170,16 @@ def run(config: str, steps: int, seed: int) -> dict:
 
 def table(results: list[dict]) -> str:
     lines = [f"{'config':11} {'seed':>4} {'steps':>5} {'logp-diff mean':>14} {'logp-diff max':>13} {'k3':>9} "
-             f"{'IS ratio mean':>13} {'reward':>7} {'step s':>7} {'graphs':>6}"]
+             f"{'bitwise':>7} {'IS ratio mean':>13} {'reward':>7} {'step s':>7} {'graphs':>6}"]
     for r in results:
         rows = r["steps"]
 
         def mean(key):
-            values = [row[key] for row in rows if row[key] is not None]
+            values = [row.get(key) for row in rows if row.get(key) is not None]
             return statistics.fmean(values) if values else float("nan")
 
-        lines.append(f"{r['config']:11} {r['seed']:>4} {len(rows):>5} {mean('logp_diff_mean'):>14.5f} "
-                     f"{mean('logp_diff_max'):>13.4f} {mean('k3'):>9.2e} {mean('is_ratio_mean'):>13.4f} "
+        lines.append(f"{r['config']:11} {r['seed']:>4} {len(rows):>5} {mean('logp_diff_mean'):>14.3e} "
+                     f"{mean('logp_diff_max'):>13.3e} {mean('k3'):>9.2e} {mean('bitwise'):>7.3f} {mean('is_ratio_mean'):>13.4f} "
                      f"{mean('reward'):>7.4f} {mean('step_time'):>7.2f} {r.get('compiled_graphs', 0):>6}")
     return "\n".join(lines)
 
@@ -196,7 +196,7 @@ def summary(results: list[dict]) -> str:
         return statistics.fmean(values) if values else float("nan")
 
     def spread(values):
-        return f"{statistics.fmean(values):.5f} [{min(values):.5f}, {max(values):.5f}]"
+        return f"{statistics.fmean(values):.3e} [{min(values):.3e}, {max(values):.3e}]"
 
     lines = [f"{'config':11} {'seeds':>5}  {'logp-diff mean [min, max over seeds]':>36}  {'k3 x1e5':>16}  "
              f"{'vs stock (paired)':>22}  {'reward (last 5)':>15}  {'graphs':>6}"]
@@ -208,7 +208,7 @@ def summary(results: list[dict]) -> str:
         ratios = [run_mean(r, "logp_diff_mean") / run_mean(stock[s], "logp_diff_mean") for s, r in runs.items() if s in stock]
         rewards = [statistics.fmean(row["reward"] for row in r["steps"][-5:]) for r in runs.values()]
         graphs = [r.get("compiled_graphs", 0) for r in runs.values()]
-        vs = (f"{statistics.fmean(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]" if ratios else "-")
+        vs = (f"{statistics.fmean(ratios):.2e} [{min(ratios):.2e}, {max(ratios):.2e}]" if ratios else "-")
         lines.append(f"{config:11} {len(runs):>5}  {spread(diffs):>36}  {statistics.fmean(k3s):>7.2f} "
                      f"[{min(k3s):.1f}-{max(k3s):.1f}]  {vs:>22}  {statistics.fmean(rewards):>15.3f}  "
                      f"{statistics.fmean(graphs):>6.1f}")
