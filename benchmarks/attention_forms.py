@@ -107,7 +107,7 @@ def _equal_share(got, want) -> float:
     return float((got == want).float().mean())
 
 
-def measure(shape: str, reps: int) -> dict:
+def measure(shape: str, reps: int, chunk_mib: float = 16.0) -> dict:
     batch, heads, kv_heads, tokens, dim = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(batch, h, tokens, dim, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads)]
@@ -122,7 +122,7 @@ def measure(shape: str, reps: int) -> dict:
             continue
         torch._dynamo.reset()
         backend = "aot_eager" if rounding is None else rla_compile.Backend(
-            compiler="aot_eager", sites=["attention"], rounding={"attention": rounding})
+            compiler="aot_eager", sites=["attention"], rounding={"attention": rounding}, attention_chunk_mib=chunk_mib)
         compiled = torch.compile(attend_fp32 if name.startswith("fp32") else attend, backend=backend)
         leaves = [t.clone().requires_grad_() for t in inputs]
 
@@ -151,7 +151,7 @@ def measure(shape: str, reps: int) -> dict:
         times[name] = samples
     contract = statistics.median(times["contract"])
     return {"shape": shape, "batch_heads_kv_tokens_dim": SHAPES[shape], "reps": reps, "times_s": times,
-            "chunk_mib": attention_chunked.budget_bytes() / (1 << 20),
+            "chunk_mib": chunk_mib,
             "ratio_vs_contract": {name: statistics.median(t) / contract for name, t in times.items()},
             "saved_bytes": saved, "peak_allocated_above_inputs_bytes": peak,
             "equal_to_reference_out_dq_dk_dv": equal}
@@ -161,16 +161,14 @@ def main(argv=None) -> list:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--chunk-mib", type=float, default=None,
-                        help="the chunked form's block budget (RLA_ATTENTION_CHUNK_MIB; default 64)")
+    parser.add_argument("--chunk-mib", type=float, default=rla_compile.Options.attention_chunk_mib,
+                        help="the chunked form's block budget (option attention_chunk_mib; default %(default)s)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if args.chunk_mib is not None:
-        os.environ["RLA_ATTENTION_CHUNK_MIB"] = str(args.chunk_mib)
-    attention_chunked.budget_bytes()  # a bad budget fails here, before any work
+    rla_compile.Options(sites=frozenset({"attention"}), attention_chunk_mib=args.chunk_mib)  # a bad budget fails here
     results = []
     for shape in args.shapes:
-        result = measure(shape, args.reps)
+        result = measure(shape, args.reps, args.chunk_mib)
         results.append(result)
         print(f"{shape} {result['batch_heads_kv_tokens_dim']}, chunks of {result['chunk_mib']:g} MiB:", flush=True)
         for name, ratio in result["ratio_vs_contract"].items():

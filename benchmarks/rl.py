@@ -8,6 +8,15 @@ site on both (all). Logs TRL's per-step mismatch metrics, reward and step time.
     python -m benchmarks.rl --steps 30 --seeds 0 1 2 --configs stock both+logits all \
         --json benchmarks/results/rl_attention_cpu.json --plot benchmarks/results/rl_attention_cpu.png   # every site
 
+    python -m benchmarks.rl --steps 6 --seeds 0 1 --configs stock all \
+        --json benchmarks/results/rl_user_loop_cpu.json --plot benchmarks/results/rl_user_loop_cpu.png  # as users run it
+
+Since 0.3.3 every configuration runs the documented path: the policy a model object loaded with
+`from_pretrained(dir, dtype=torch.bfloat16)` (HF's default attention), rla switched on by
+`rla_trl.enable(...)` alone, prompts of 8 lengths (12-68 tokens; TRL left-pads them). The older
+results (rl_cpu, rl_attention_cpu) came from the path before it: a model id, the policy compiled
+in a callback of the benchmark's own, prompts of one length.
+
 Each (configuration, seed) runs in a fresh process (a vLLM engine and rla's switches are per
 process), with fresh compile caches, on the settings of examples/grpo_trl.py (8 prompts x 4
 generations x 32 tokens, lr 1e-4, bf16 model). Needs TRL 1.16 and vLLM (`tox -e rl` installs

@@ -104,9 +104,8 @@ assert all(torch.equal(a.grad, b.grad) for a, b in zip(leaves, contract_leaves))
 # 7. The attention site's chunked form (docs/contract.md#chunked): where the fp32 scores would
 #    exceed 16 MiB, or under dynamic shapes, the site computes the contract one block of query
 #    rows at a time, so the [B, H, L, S] scores and probabilities are never whole in memory and
-#    the backward keeps only q, k and v. RLA_ATTENTION_CHUNK_MIB sets a block's budget (read
-#    when the op runs); here a tiny one, so that 64 tokens make 3 blocks.
-os.environ["RLA_ATTENTION_CHUNK_MIB"] = "0.01"
+#    the backward keeps only q, k and v. Option attention_chunk_mib sets a block's budget (in
+#    MiB, default 16); here a tiny one, so that 64 tokens make 3 blocks.
 def attend_masked(q, k, v, mask):  # dynamic shapes: a mask tensor (is_causal needs static lengths)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -114,11 +113,10 @@ def attend_masked(q, k, v, mask):  # dynamic shapes: a mask tensor (is_causal ne
 q, k, v = (torch.randn(1, 2, 64, 32).bfloat16() for _ in range(3))
 causal = torch.zeros(64, 64).masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf")).bfloat16()
 torch._dynamo.reset()
-backend = rla_compile.Backend(sites=["attention"], compiler="aot_eager")
+backend = rla_compile.Backend(sites=["attention"], compiler="aot_eager", attention_chunk_mib=0.01)
 blocked = torch.compile(attend_masked, backend=backend, dynamic=True)(q, k, v, causal)
 print(backend.reports[0].sites[0].reason)
 assert "blocks of query rows" in backend.reports[0].sites[0].reason
 scores = (q.float() * 32 ** -0.5) @ k.float().transpose(-1, -2)
 whole = torch.softmax(scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf")), -1) @ v.float()
 assert torch.equal(blocked, whole.bfloat16())  # the output: the contract's, bit for bit
-del os.environ["RLA_ATTENTION_CHUNK_MIB"]

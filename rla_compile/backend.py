@@ -43,7 +43,7 @@ class Backend:
         be.reports
 
     Keyword arguments are the options (see `Options`: sites, compiler, pin_rounding, debug,
-    inductor, rounding); invalid ones raise `OptionError` here, before anything compiles. With
+    inductor, rounding, attention_chunk_mib); invalid ones raise `OptionError` here, before anything compiles. With
     `keep_graphs=True`, `.rewrites` also keeps each graph's text before and after.
     """
 

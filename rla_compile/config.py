@@ -28,6 +28,17 @@ class OptionError(ValueError):
 
 
 @dataclass(frozen=True)
+class SiteRounding:
+    """A site's one rounding, as `Options.rounding_of` resolves option `rounding`: `mode`, how
+    the output rounds ("nearest" or "toward_zero"), and `form`, the engine-paired computation
+    the site emits (e.g. "vllm_cpu_vec": attention in vLLM-CPU's kernel order) or None for the
+    contract's own."""
+
+    mode: str = "nearest"
+    form: str | None = None
+
+
+@dataclass(frozen=True)
 class Options:
     """How the `rla` backend aligns a graph.
 
@@ -52,6 +63,10 @@ class Options:
         engine's, and the TRL integration and `rla-compile mismatch` apply it). A site may
         also take an engine-paired form (`Site.engine_forms`): attention's "vllm_cpu_vec"
         computes it in the fp32 order of vLLM-CPU's kernel, rounded as that kernel rounds.
+    attention_chunk_mib: the attention site's chunked form (long or dynamic sequences) computes
+        blocks of query rows whose fp32 scores take at most this many MiB (default 16); smaller
+        blocks trade time for memory. It changes the fp32 order of k's and v's gradients (they
+        sum over blocks), so it is part of the cache key.
     """
 
     sites: frozenset[str] = field(default_factory=lambda: frozenset(registry.DEFAULT_SITES))
@@ -60,6 +75,7 @@ class Options:
     debug: str | bool | None = None
     inductor: Mapping[str, Any] = field(default_factory=dict)
     rounding: Mapping[str, str] = field(default_factory=dict)
+    attention_chunk_mib: float = 16.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sites", check_site_names(self.sites, "option 'sites'", OptionError))
@@ -72,6 +88,10 @@ class Options:
             raise OptionError(
                 f"option 'pin_rounding' must be True, False or None (Inductor's own setting), got {self.pin_rounding!r}"
             )
+        chunk = self.attention_chunk_mib
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not chunk > 0:
+            raise OptionError(f"option 'attention_chunk_mib' must be a positive number of MiB (the fp32 scores of one "
+                              f"block of the attention site's chunked form), got {chunk!r}")
         if self.debug is None:
             env = os.environ.get("RLA_DEBUG", "")
             object.__setattr__(self, "debug", True if env == "1" else (env or False))
@@ -144,11 +164,19 @@ class Options:
             "pin_rounding": self.pin_rounding,
             "inductor": {k: repr(v) for k, v in sorted(self.inductor.items())},
             "rounding": dict(sorted(self.rounding.items())),
+            "attention_chunk_mib": float(self.attention_chunk_mib),
         }
 
-    def rounding_of(self, kind: str) -> str:
-        """How the site `kind`'s one rounding rounds."""
-        return self.rounding.get(kind, "nearest")
+    def rounding_of(self, kind: str) -> SiteRounding:
+        """The site `kind`'s option `rounding`, resolved: the one place it is read. A computation
+        form (a name in the site's `engine_forms`) gives the form and the output rounding it
+        implies here; a mode gives the mode and the contract's own form."""
+        value = self.rounding.get(kind, "nearest")
+        forms = registry.by_kind(kind).engine_forms
+        if value in forms:
+            implied = forms[value]
+            return SiteRounding(implied() if callable(implied) else implied, value)
+        return SiteRounding(value)
 
     def uuid(self) -> str:
         """Cache key: rla's version, the source of every module, and the rewrite options."""

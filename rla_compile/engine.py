@@ -151,7 +151,7 @@ def align(gm: GraphModule, options: Options, name: str = "graph", post_grad: boo
     found = find_sites(graph, options.sites)
     plans = _plans(graph, found.aligned, found.skipped)
     rewriter = Rewriter(graph, {n for p in plans if p.status is None for n in p.match.nodes}, post_grad,
-                        options.rounding_of)
+                        options)
     _decide(plans, rewriter)
     for plan in plans:
         if plan.status == "rewritten":

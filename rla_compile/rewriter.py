@@ -3,13 +3,11 @@ it decided to rewrite (engine.py's docstring says what the four steps do and why
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch.fx import Graph, Node
 
 from . import ops
-from . import sites as registry
+from .config import Options
 from .sites import Match
 
 __all__ = ["Rewriter", "mark_recompute", "mark_save", "tag_own_roundings"]
@@ -19,9 +17,9 @@ class Rewriter:
     """Applies the contract to matched regions of one graph."""
 
     def __init__(self, graph: Graph, site_nodes: set[Node], post_grad: bool = False,
-                 rounding: Callable[[str], str] = lambda kind: "nearest"):
+                 options: Options | None = None):
         self.graph = graph
-        self.rounding = rounding  # site kind -> how its one rounding rounds (Options.rounding_of)
+        self.options = options or Options()  # a site's rounding resolved by `options.rounding_of`
         self.post_grad = post_grad  # Inductor's post-grad IR: casts are prims.convert_element_type
         self.site_nodes = site_nodes  # all nodes of sites being rewritten (for the bypass rule)
         self._fp32_only: dict[Node, bool] = {}
@@ -31,10 +29,8 @@ class Rewriter:
         self.notes: dict[Match, str] = {}  # what a replaced site's form says about itself (`replace`)
 
     def _output_rounding(self, kind: str) -> str:
-        """How the site `kind`'s output rounds: its mode, or the rounding its engine form implies."""
-        mode = self.rounding(kind)
-        implied = registry.by_kind(kind).engine_forms.get(mode, mode)
-        return implied() if callable(implied) else implied
+        """How the site `kind`'s output rounds ("nearest" or "toward_zero")."""
+        return self.options.rounding_of(kind).mode
 
     # -- inputs -------------------------------------------------------------------------
     def bypassable(self, value: Node) -> tuple[Node, set[Node]] | None:
@@ -234,8 +230,7 @@ class Rewriter:
         # a role another site rewrote before (q and k out of RoPE) now holds that site's fp32
         # value: the replacement reads what the graph's other readers read, its one rounding
         roles = {role: self.rounded_as.get(node, node) for role, node in match.roles.items()}
-        mode = self.rounding(match.kind)
-        value = match.computes(emitter, roles, mode)
+        value = match.computes(emitter, roles, self.options)
         self.notes[match] = emitter.note
         dtype = ops.dtype_of(output)
         if dtype in ops.LOW_PRECISION:

@@ -12,6 +12,7 @@ the form above its budget and under dynamic shapes; the tests force it at small 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -42,14 +43,23 @@ def _check(got, want, many_blocks: bool, exact: tuple[int, ...]):
             _within_one_ulp(a, b)
 
 
+@dataclass(frozen=True)
+class Blocks:
+    many: bool  # more than one block
+    mib: float  # option attention_chunk_mib
+
+    @property
+    def budget(self) -> int:
+        return int(self.mib * (1 << 20))
+
+
 @pytest.fixture
 def blocks(monkeypatch, request):
     """The chunked form forced at the small sizes of the tests: 1 block, or blocks of 8 rows
     (`MIN_ROWS` lowered to 8: the GEMM keeps its kernel from 4 rows on; measured)."""
     monkeypatch.setattr(attention_chunked, "CHUNK_ABOVE_BYTES", 0)
     monkeypatch.setattr(attention_chunked, "MIN_ROWS", 8)
-    monkeypatch.setenv("RLA_ATTENTION_CHUNK_MIB", "1024" if request.param == "one" else "0.0001")
-    return request.param == "many"
+    return Blocks(request.param == "many", 1024 if request.param == "one" else 0.0001)
 
 
 def _qkv(dtype, batch=2, heads=4, kv_heads=2, tokens=36, size=16):
@@ -83,11 +93,12 @@ def test_op_equals_the_contract_reference(mask, dtype, blocks):
     qf = q.float() / math.sqrt(q.shape[-1])
     kf, vf = (t.float().repeat_interleave(groups, 1) for t in (k, v))
     out = attention_chunked.attention(qf, kf, vf, None if bias is None else bias.float(),
-                                      None if keep is None else ~keep, -math.inf, mask == "causal", softcap)
+                                      None if keep is None else ~keep, -math.inf, mask == "causal", softcap,
+                                      blocks.budget)
     got = grads(out.to(dtype))
     # the output and q's gradient; soft-capped, not those either: ATen's tanh runs vectorised
     # over the whole tensor with a scalar tail, so the tail's elements depend on the block's size
-    _check(got, want, blocks, exact=() if softcap else (0, 1))
+    _check(got, want, blocks.many, exact=() if softcap else (0, 1))
 
 
 def test_the_backward_keeps_no_scores():
@@ -107,7 +118,7 @@ def test_every_spelling_in_blocks_follows_the_contract(case, blocks, compiler):
     """Each attention spelling of test_sites.py, the site forced to its chunked form: the
     output equals the eager reference bit for bit under both compilers (the form is one extern
     op, eager kernels inside); the gradients bit for bit at one block, within 1 ulp at many."""
-    backend = rla_compile.Backend(compiler=compiler, sites=["attention"])
+    backend = rla_compile.Backend(compiler=compiler, sites=["attention"], attention_chunk_mib=blocks.mib)
     torch._dynamo.reset()
     try:
         got = _run(torch.compile(case.fn, backend=backend, fullgraph=True), case)
@@ -117,7 +128,7 @@ def test_every_spelling_in_blocks_follows_the_contract(case, blocks, compiler):
     (report,) = backend.reports
     (site,) = [s for s in report.sites if s.kind == "attention"]
     assert site.status == "rewritten" and "blocks of query rows" in site.reason, str(report)
-    _check(got, want, blocks, exact=(0,))
+    _check(got, want, blocks.many, exact=(0,))
 
 
 def _run(fn, case):
@@ -235,24 +246,41 @@ def test_left_padded_rows_attend_to_nothing_as_sdpa(form, compiler):
         assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
 
 
-def test_rows_per_block_follows_the_budget(monkeypatch):
-    monkeypatch.setenv("RLA_ATTENTION_CHUNK_MIB", "1")
-    assert attention_chunked.rows_per_block(1, 16, 1024, 1024) == (1 << 20) // (16 * 1024 * 4)  # 16 rows
-    assert attention_chunked.rows_per_block(1, 1, 8, 8) == 8  # all rows: one block
-    assert attention_chunked.rows_per_block(64, 64, 1000, 1 << 20) == attention_chunked.MIN_ROWS
-    assert attention_chunked.rows_per_block(64, 64, 10, 1 << 20) == 10  # fewer rows than MIN_ROWS: one block
+def test_rows_per_block_follows_the_budget():
+    mib = 1 << 20
+    assert attention_chunked.rows_per_block(1, 16, 1024, 1024, mib) == mib // (16 * 1024 * 4)  # 16 rows
+    assert attention_chunked.rows_per_block(1, 1, 8, 8, mib) == 8  # all rows: one block
+    assert attention_chunked.rows_per_block(64, 64, 1000, 1 << 20, mib) == attention_chunked.MIN_ROWS
+    assert attention_chunked.rows_per_block(64, 64, 10, 1 << 20, mib) == 10  # fewer rows than MIN_ROWS: one block
     assert attention_chunked.blocks(40, 16) == [(0, 16), (16, 40)]  # 8 left over: joins the last block
     assert attention_chunked.blocks(48, 16) == [(0, 16), (16, 32), (32, 48)]
     assert attention_chunked.blocks(5, 16) == [(0, 5)]
-    monkeypatch.delenv("RLA_ATTENTION_CHUNK_MIB")
-    assert attention_chunked.budget_bytes() == 16 << 20
+    assert attention_chunked.DEFAULT_BUDGET == 16 * mib == int(rla_compile.Options().attention_chunk_mib * mib)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-3"])
-def test_a_bad_budget_is_a_clear_error(monkeypatch, value):
-    monkeypatch.setenv("RLA_ATTENTION_CHUNK_MIB", value)
-    with pytest.raises(ValueError, match="RLA_ATTENTION_CHUNK_MIB.*positive number of MiB"):
-        attention_chunked.budget_bytes()
+@pytest.mark.parametrize("value", ["abc", 0, -3, True])
+def test_a_bad_budget_is_a_clear_error(value):
+    with pytest.raises(rla_compile.OptionError, match="attention_chunk_mib.*positive number of MiB"):
+        rla_compile.Options(sites=frozenset({"attention"}), attention_chunk_mib=value)
+
+
+def test_the_budget_is_in_the_graph_and_the_cache_key():
+    """Option `attention_chunk_mib` is the op's argument in the compiled graph (it changes the
+    fp32 order of k's and v's gradients), and part of the cache key."""
+    q, k, v = (t.requires_grad_() for t in _qkv(torch.bfloat16, batch=1, heads=2, kv_heads=2, tokens=48))
+
+    def grads(mib):
+        backend = rla_compile.Backend(compiler="aot_eager", sites=["attention"], attention_chunk_mib=mib)
+        torch._dynamo.reset()
+        out = torch.compile(_sdpa, backend=backend, dynamic=True)(q, k, v)
+        torch._dynamo.reset()
+        assert "blocks of query rows" in backend.reports[0].sites[0].reason
+        return out, torch.autograd.grad(out.float().sum(), (q, k, v))
+
+    one_out, one = grads(16)
+    many_out, many = grads(0.001)  # 1048 bytes: blocks of MIN_ROWS rows
+    assert torch.equal(one_out, many_out) and torch.equal(one[0], many[0])  # the output and q's gradient: the same
+    assert rla_compile.Options(attention_chunk_mib=1).uuid() != rla_compile.Options().uuid()
 
 
 def test_the_ops_pass_torch_library_opcheck():

@@ -147,3 +147,16 @@ def test_every_list_of_the_options_names_them_all():
                         ("docs/rl.md", (root / "docs/rl.md").read_text().split("`enable(**options)` takes")[1][:200])]:
         missing = [n for n in names if n not in text]
         assert not missing, f"{where} lists rla's options without {missing}"
+
+
+def test_rounding_is_resolved_in_one_place():
+    """Option `rounding` holds a mode or an engine-paired form; `Options.rounding_of` alone reads
+    it: the form a site emits and the output rounding it implies on this machine."""
+    from rla_compile.config import SiteRounding
+    from rla_compile.sites.attention.vllm_cpu import output_rounding
+
+    options = Options.from_dict({"sites": ["rmsnorm", "attention"], "rounding": {"attention": "vllm_cpu_vec"}})
+    assert options.rounding_of("attention") == SiteRounding(output_rounding(), "vllm_cpu_vec")
+    assert options.rounding_of("rmsnorm") == SiteRounding("nearest", None)
+    options = Options.from_dict({"sites": ["rmsnorm"], "rounding": {"rmsnorm": "toward_zero"}})
+    assert options.rounding_of("rmsnorm") == SiteRounding("toward_zero", None)

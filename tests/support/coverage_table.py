@@ -136,8 +136,13 @@ def framework_table(coverages: list[Coverage]) -> str:
     return "\n".join(lines + _rows(coverages)) + "\n"
 
 
+ATTENTION_HEADING = "## Attention across HF's causal LMs"  # a section of its own: benchmarks/attention_sweep.py
+
+
 def split(text: str) -> tuple[str, str]:
-    """docs/coverage.md -> (the HF part, the frameworks' section or "")."""
+    """docs/coverage.md -> (the HF part, the frameworks' section or ""), without the attention
+    sweep's section after them."""
+    text = text.split("\n\n" + ATTENTION_HEADING + "\n")[0].rstrip("\n") + "\n"
     head, sep, tail = text.partition("\n" + FRAMEWORKS_HEADING + "\n")
     return head, sep + tail
 

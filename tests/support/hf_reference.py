@@ -147,3 +147,39 @@ def patched_under(mode: ContractMode, patches: list[tuple[object, str, object]])
                 delattr(obj, attr)
             else:
                 setattr(obj, attr, value)
+
+
+# -- attention: HF's attention-function interface, computing the contract -------------------------
+def contract_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                       ignore_softcap=False, rounding="nearest", **kwargs):
+    """HF's attention-function signature, computing the contract (no dropout: eval).
+    `ignore_softcap`: as HF's sdpa_attention_forward, which drops Gemma 2's soft-cap;
+    `rounding`: the one rounding's mode (test_rounding.py)."""
+    softcap = None if ignore_softcap else softcap
+    groups = query.shape[1] // key.shape[1]
+    mask, causal = attention_mask, False
+    if mask is not None:
+        mask = mask[:, :, :, : key.shape[-2]]
+    elif kwargs.get("sliding_window"):  # HF hands a function of its own no mask, and the window
+        rows, cols = torch.arange(query.shape[2])[:, None], torch.arange(key.shape[2])[None, :]
+        mask = (cols <= rows) & (rows - cols < kwargs["sliding_window"])
+    else:  # no mask: causal unless the module says it is not (an encoder's)
+        causal = query.shape[2] > 1 and getattr(module, "is_causal", True)
+    out = ref.attention(query, key, value, mask=mask, scale=scaling, causal=causal, softcap=softcap, groups=groups,
+                        rounding=rounding)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    """Register `contract_attention` with transformers' `AttentionInterface`: a model's
+    `set_attn_implementation("rla_contract_eager")` (or "_sdpa", which drops Gemma 2's soft-cap
+    as HF's sdpa does) runs the contract reference in place of its attention."""
+    import functools
+
+    import transformers
+
+    transformers.AttentionInterface.register("rla_contract_eager", contract_attention)
+    transformers.AttentionInterface.register("rla_contract_sdpa", functools.partial(contract_attention, ignore_softcap=True))
+
+
+_register()

@@ -89,17 +89,21 @@ class _Attention:
     mask: reading.Mask | None = None
     bias: bool = False  # baddbmm's bias (role "bias"), added to the scores in fp32 before the mask
 
-    def __call__(self, e: Emitter, roles: dict[str, Node], mode: str = "nearest") -> Node:
+    def __call__(self, e: Emitter, roles: dict[str, Node], options) -> Node:
+        """The contract's computation, or the engine-paired form option `rounding` names
+        ("vllm_cpu_vec", resolved by `Options.rounding_of`), from the roles; fp32, unrounded.
+        The chunked form's blocks: option `attention_chunk_mib`."""
+        form = options.rounding_of(SITE.kind).form
         q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale), name="q_scaled")  # in fp32, before q·k
         k = e.repeat_heads(e.fp32(roles["k"]), self.groups)
         v = e.repeat_heads(e.fp32(roles["v"]), self.groups)
-        if mode == "vllm_cpu_vec":
+        if form == "vllm_cpu_vec":
             if self.softcap is None:
                 return self._vllm_cpu_vec(e, q, k, v, roles)
             e.note = ("rounding 'vllm_cpu_vec': soft-capping is not emulated; the contract's form, rounded "
                       f"{vec_output_rounding().replace('_', ' ')} as the kernel rounds")
         if self._chunked(q, k, roles):
-            return self._in_blocks(e, q, k, v, roles)
+            return self._in_blocks(e, q, k, v, roles, int(options.attention_chunk_mib * (1 << 20)))
         scores = e.matmul(q, e.transpose_last(k), name="scores")
         if self.bias:
             scores = e.add(scores, e.fp32(roles["bias"]))
@@ -125,8 +129,9 @@ class _Attention:
             return True
         return math.prod(sizes) * 4 > attention_chunked.CHUNK_ABOVE_BYTES
 
-    def _in_blocks(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node]) -> Node:
-        """The contract one block of query rows at a time (`rla::attention_chunked`)."""
+    def _in_blocks(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node], budget: int) -> Node:
+        """The contract one block of query rows at a time (`rla::attention_chunked`), each
+        block's fp32 scores at most `budget` bytes."""
         bias, remove, fill, how = None, None, -math.inf, self.mask.how if self.mask is not None else None
         if self.bias:  # never with an additive mask too (the matcher's near miss)
             bias = e.fp32(roles["bias"])
@@ -140,7 +145,7 @@ class _Attention:
             remove, fill = roles["mask"], self.mask.value
         e.note = "computed in blocks of query rows (the chunked form: fp32 scores never whole in memory)"
         return e.call(torch.ops.rla.attention_chunked.default, q, k, v, bias, remove, fill, how == "causal",
-                      self.softcap, name="attention")
+                      self.softcap, budget, name="attention")
 
     def _vllm_cpu_vec(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node]) -> Node:
         """The contract in vLLM-CPU's `vec` kernel order (sites/attention/vllm_cpu.py): one op,
@@ -261,7 +266,8 @@ class AttentionMatcher:
             read = ", ".join(f"{ops.describe(u)} ({ops.op_name(u)})" for u in p.users) or "nothing"
             return Miss(self.kind, softmax, f"{where}: a softmax over the product {ops.describe(qk)} "
                         f"({ops.op_name(qk)}) whose probabilities are read by {read}, not multiplied by the values "
-                        "as they are (attention sinks cut a column off first); not rewritten")
+                        "as they are (a reshape of P, or attention sinks' column cut off, is not followed); "
+                        "not rewritten")
         if len(p.users) != 1:
             return Miss(self.kind, softmax, f"{where}: the attention probabilities are read outside the site "
                         "(attention weights returned); not rewritten")

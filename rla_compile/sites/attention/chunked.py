@@ -17,8 +17,9 @@ they add per block, an fp32 order of its own, so after their one rounding a few 
 10,000 differ from autograd's single product (at one block they are equal). The contract fixes
 where attention rounds, not the order of fp32 sums (docs/contract.md#attention-opt-in).
 
-The block: `rows_per_block(B, H, L, S)` rows, so that one block's fp32 scores take at most
-`RLA_ATTENTION_CHUNK_MIB` MiB (environment, read at run time; default 16). The site emits this
+The block: `rows_per_block(B, H, L, S, budget)` rows, so that one block's fp32 scores take at
+most `budget` bytes: option `attention_chunk_mib` (default 16 MiB), an argument of the op in the
+compiled graph, so a different budget is a different graph (it is in the cache key). The site emits this
 op where the scores' size is not known at compile time (dynamic shapes) or exceeds that budget
 (`CHUNK_ABOVE_BYTES`); smaller static ones keep the contract's form as emitted ATen ops, which
 Inductor fuses. An op of rla's own, Inductor runs it as one extern kernel on any device.
@@ -27,21 +28,20 @@ Inductor fuses. An op of rla's own, Inductor runs it as one extern kernel on any
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-__all__ = ["attention", "safe_softmax", "rows_per_block", "blocks", "budget_bytes", "CHUNK_ABOVE_BYTES", "MIN_ROWS"]
+__all__ = ["attention", "safe_softmax", "rows_per_block", "blocks", "DEFAULT_BUDGET", "CHUNK_ABOVE_BYTES", "MIN_ROWS"]
 
 # One block's fp32 scores at most this many MiB by default: on this CPU (AMD EPYC, 2 cores,
 # Qwen3-0.6B's 16 heads of 128) forward + backward took about the whole form's time from 1024 to
 # 2048 tokens at 16 MiB blocks (4 MiB: 1.1-1.6x, 32: 1.3x; docs/performance.md#chunked).
-_DEFAULT_MIB = 16
+DEFAULT_BUDGET = 16 << 20  # bytes: option attention_chunk_mib's default
 # The site's choice at compile time (static shapes): the chunked op above this many bytes of fp32
 # scores (where one default block would not hold them), the contract's form as ATen ops at or
 # below. Fixed, so a compiled graph's form does not depend on the environment (the cache key
 # holds rla's source, not the environment).
-CHUNK_ABOVE_BYTES = _DEFAULT_MIB << 20
+CHUNK_ABOVE_BYTES = DEFAULT_BUDGET
 
 
 # Fewest query rows in a block (unless all the rows are fewer). A matrix product's bits can depend
@@ -51,26 +51,11 @@ CHUNK_ABOVE_BYTES = _DEFAULT_MIB << 20
 MIN_ROWS = 16
 
 
-def budget_bytes() -> int:
-    """One block's fp32 scores at most this many bytes: `RLA_ATTENTION_CHUNK_MIB`, default 16."""
-    raw = os.environ.get("RLA_ATTENTION_CHUNK_MIB", "")
-    if not raw:
-        return _DEFAULT_MIB << 20
-    try:
-        mib = float(raw)
-    except ValueError:
-        mib = -1.0
-    if not mib > 0:
-        raise ValueError(f"RLA_ATTENTION_CHUNK_MIB={raw!r}: give a positive number of MiB (one block's fp32 "
-                         f"attention scores), or unset it for the default {_DEFAULT_MIB}")
-    return int(mib * (1 << 20))
-
-
-def rows_per_block(batch: int, heads: int, queries: int, keys: int) -> int:
-    """Query rows per block: as many as keep one block's fp32 scores within `budget_bytes()`,
-    at least `MIN_ROWS`, at most all of them."""
+def rows_per_block(batch: int, heads: int, queries: int, keys: int, budget: int = DEFAULT_BUDGET) -> int:
+    """Query rows per block: as many as keep one block's fp32 scores within `budget` bytes, at
+    least `MIN_ROWS`, at most all of them."""
     per_row = max(1, batch * heads * keys * 4)
-    return max(1, min(queries, max(MIN_ROWS, budget_bytes() // per_row)))
+    return max(1, min(queries, max(MIN_ROWS, budget // per_row)))
 
 
 def blocks(queries: int, rows: int) -> list[tuple[int, int]]:
@@ -132,15 +117,17 @@ def _check(q, k, v, bias, remove):
 
 @torch.library.custom_op("rla::attention_chunked", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-              remove: torch.Tensor | None, fill: float, causal: bool, softcap: float | None) -> torch.Tensor:
+              remove: torch.Tensor | None, fill: float, causal: bool, softcap: float | None,
+              budget: int = DEFAULT_BUDGET) -> torch.Tensor:
     """fp32 attention output [..., L, Ev] (before its rounding), the contract one block of query
     rows at a time, from the scaled fp32 q [..., L, E] and fp32 k, v [..., S, E] (heads repeated);
     `softcap` (tanh(s / c) · c) or None; an fp32 additive `bias` and a bool `remove` mask (True:
     the score becomes `fill`), each broadcastable to [..., L, S] or None; `causal` (keys after
-    the query removed, top-left aligned)."""
+    the query removed, top-left aligned); `budget`: one block's fp32 scores at most this many
+    bytes (option `attention_chunk_mib`)."""
     _check(q, k, v, bias, remove)
     queries = q.shape[-2]
-    rows = rows_per_block(math.prod(q.shape[:-2]), 1, queries, k.shape[-2])
+    rows = rows_per_block(math.prod(q.shape[:-2]), 1, queries, k.shape[-2], budget)
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     for start, stop in blocks(queries, rows):
         out[..., start:stop, :] = _block(q[..., start:stop, :], k, v, bias, remove, fill, causal, softcap, start)[0]
@@ -148,20 +135,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 
 
 @attention.register_fake
-def _(q, k, v, bias, remove, fill, causal, softcap):
+def _(q, k, v, bias, remove, fill, causal, softcap, budget=DEFAULT_BUDGET):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 @torch.library.custom_op("rla::attention_chunked_backward", mutates_args=())
 def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
              remove: torch.Tensor | None, fill: float, causal: bool, softcap: float | None,
-             bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             bias_grad: bool, budget: int = DEFAULT_BUDGET) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of `attention` for q, k, v (and the bias when `bias_grad`; else an empty
     tensor), by autograd's formulas for each op of a block (those `_block` calls), its forward
     recomputed: q's rows block by block; k's, v's and a query-broadcast bias's summed over the
     blocks."""
     queries = q.shape[-2]
-    rows = rows_per_block(math.prod(q.shape[:-2]), 1, queries, k.shape[-2])
+    rows = rows_per_block(math.prod(q.shape[:-2]), 1, queries, k.shape[-2], budget)
     grad_q = q.new_empty(q.shape)  # all four contiguous, as the fake ones
     grad_k = grad_v = None
     grad_bias = bias.new_zeros(bias.shape) if bias_grad else q.new_empty(0)
@@ -190,23 +177,23 @@ def backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 @backward.register_fake
-def _(grad, q, k, v, bias, remove, fill, causal, softcap, bias_grad):
+def _(grad, q, k, v, bias, remove, fill, causal, softcap, bias_grad, budget=DEFAULT_BUDGET):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             bias.new_empty(bias.shape) if bias_grad else q.new_empty(0))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, bias, remove, fill, causal, softcap = inputs
+    q, k, v, bias, remove, fill, causal, softcap, budget = inputs
     ctx.save_for_backward(q, k, v, bias, remove)
-    ctx.fill, ctx.causal, ctx.softcap = fill, causal, softcap
+    ctx.fill, ctx.causal, ctx.softcap, ctx.budget = fill, causal, softcap, budget
 
 
 def _backward(ctx, grad):
     q, k, v, bias, remove = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
     grad_q, grad_k, grad_v, grad_bias = backward(grad, q, k, v, bias, remove, ctx.fill, ctx.causal, ctx.softcap,
-                                                 bias_grad)
-    return grad_q, grad_k, grad_v, (grad_bias if bias_grad else None), None, None, None, None
+                                                 bias_grad, ctx.budget)
+    return grad_q, grad_k, grad_v, (grad_bias if bias_grad else None), None, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup)
