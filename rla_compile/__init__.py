@@ -35,6 +35,7 @@ _PUBLIC = {
 }
 
 __all__ = [*_PUBLIC, "__version__"]
+_REGISTRY_LISTS = {"DEFAULT_SITES", "SITE_KINDS"}
 
 
 def __getattr__(name: str):
@@ -44,7 +45,8 @@ def __getattr__(name: str):
             return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # once loaded, a plain attribute
+    if name not in _REGISTRY_LISTS:  # the registry's lists are read from it each time (sites.registered)
+        globals()[name] = value  # once loaded, a plain attribute
     return value
 
 

@@ -7,6 +7,8 @@ gradient, bit for bit on eager kernels (`compiler="aot_eager"`)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch._inductor import config as inductor_config
@@ -15,8 +17,10 @@ import contract_reference as ref
 import handwritten
 import rla_compile
 from gradients import assert_same_parameters, mismatches, step
-from coverage_table import DOC, collect, split, table
+from coverage_table import DOC, Coverage, collect, split, table
 from hf_reference import contract_sites
+from once import once_per_run
+from rla_compile.report import GraphReport
 from zoo import LOOP_EXPERTS, entries, tokens
 
 pytest.importorskip("transformers")
@@ -26,8 +30,16 @@ HF_REFERENCE = [e for e in ENTRIES if e.family == "hf" and e.name not in LOOP_EX
 
 
 @pytest.fixture(scope="module")
-def coverage():
-    return {e.name: collect(e) for e in ENTRIES}
+def coverage(tmp_path_factory):
+    """Every entry's reports, collected once per run (the workers share them as JSON)."""
+    def build(path):
+        found = {e.name: collect(e) for e in ENTRIES}
+        path.write_text(json.dumps({name: {"train": [r.to_dict() for r in c.train], "infer": [r.to_dict() for r in c.infer]}
+                                    for name, c in found.items()}))
+
+    data = json.loads(once_per_run(tmp_path_factory, "coverage_reports.json", build).read_text())
+    return {e.name: Coverage(e, [GraphReport.from_dict(d) for d in data[e.name]["train"]],
+                             [GraphReport.from_dict(d) for d in data[e.name]["infer"]]) for e in ENTRIES}
 
 
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e.name not in LOOP_EXPERTS], ids=lambda e: e.name)

@@ -50,6 +50,7 @@ def table_form(text: str) -> dict:
             "lines": [line.split(":")[0] for line in lines if line.startswith(("machine:", "note:", "In plain words:"))]}
 
 
+@pytest.mark.bench  # the README's main job end to end, in a fresh process: 90 s of the default run's 15 minutes
 def test_demo_shows_sites_and_the_mismatch_table():
     done = subprocess.run([sys.executable, "-m", "rla_compile.cli", "demo"], capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]

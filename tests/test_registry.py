@@ -36,8 +36,12 @@ def _block(x):
 
 
 def test_a_registered_site_is_aligned_reported_and_measured():
+    from rla_compile import mismatch
+
     with sites.registered(TOY):
         assert sites.SITE_KINDS[-1] == "toy_tanh" and "toy_tanh" in sites.OPT_IN_SITES
+        # the package's and the mismatch tool's lists are the registry's, read when used
+        assert rla_compile.SITE_KINDS == mismatch.SITE_KINDS == sites.SITE_KINDS
         assert "toy_tanh" not in Options().sites  # opt-in: not a default
         backend = rla_compile.Backend(sites=[*sites.DEFAULT_SITES, "toy_tanh"], compiler="aot_eager")
         x = torch.randn(64, 33, dtype=torch.bfloat16)
@@ -50,7 +54,7 @@ def test_a_registered_site_is_aligned_reported_and_measured():
         rows = [label for label, *_ in measurement.configurations(ablation=True)]
         assert "rla on both + toy_tanh" in rows and "toy_tanh only, both sides" in rows
         assert "toy_tanh: tanh in fp32" in report.legend()
-    assert "toy_tanh" not in sites.SITE_KINDS
+    assert "toy_tanh" not in sites.SITE_KINDS and "toy_tanh" not in rla_compile.SITE_KINDS
     with pytest.raises(OptionError, match="unknown site"):
         Options(sites=["toy_tanh"])
 

@@ -28,6 +28,7 @@ import rla_compile
 from gradients import assert_same_parameters, mismatches, step
 from hf_reference import contract_sites
 from models import expected_sites, tiny_causal_lm
+from once import once_per_run
 from zoo import tokens
 
 pytest.importorskip("transformers")
@@ -63,9 +64,10 @@ def unit_boundaries(model):
 # -- FSDP2 and tensor parallel: 2 processes ---------------------------------------------------
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("distributed") / "results.pt"
-    subprocess.run([sys.executable, str(Path(probe.__file__)), str(out)], check=True, capture_output=True, timeout=600)
-    return torch.load(out)
+    def run(out):
+        subprocess.run([sys.executable, str(Path(probe.__file__)), str(out)], check=True, capture_output=True, timeout=600)
+
+    return torch.load(once_per_run(tmp_path_factory, "distributed_results.pt", run))
 
 
 def _reference_training(boundaries: bool):
@@ -104,6 +106,7 @@ def test_fsdp2_training_equals_single_process_contract_reference(distributed, se
         assert _site_counts(reports) == [LAYER, {"rmsnorm": 1, "residual_rmsnorm": 0, "rope": 0, "swiglu": 0}]
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_per_layer_units_cut_the_residual_norms(distributed):
     """The per-layer cut is visible: the whole-model contract reference trains differently."""
     assert distributed["fsdp_per_layer"]["losses"] != _reference_training(boundaries=False)[0]
@@ -112,9 +115,11 @@ def test_fsdp2_per_layer_units_cut_the_residual_norms(distributed):
 # -- tensor parallel (DTensor): 2 processes; FSDP2 x TP: 4 processes -----------------------------
 @pytest.fixture(scope="module")
 def distributed_2d(tmp_path_factory):
-    out = tmp_path_factory.mktemp("distributed_2d") / "results.pt"
-    subprocess.run([sys.executable, str(Path(probe.__file__)), str(out), "2d"], check=True, capture_output=True, timeout=600)
-    return torch.load(out)
+    def run(out):
+        subprocess.run([sys.executable, str(Path(probe.__file__)), str(out), "2d"], check=True, capture_output=True,
+                       timeout=600)
+
+    return torch.load(once_per_run(tmp_path_factory, "distributed_2d_results.pt", run))
 
 
 def _tp_step(sequence_parallel: bool, sites: str, cut: bool = False):
@@ -189,6 +194,7 @@ def test_tp_reference_models_tensor_parallel_arithmetic(distributed):
     assert _tp_mismatches(got, *_tp_step(True, "model")) == (0, 0)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("setup", ["tp", "tp_sp"])
 def test_tensor_parallel_comparison_sees_the_sites(distributed, setup):
     """Without rla's rewrite (the model's own roundings), logits and gradients differ."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import rla_compile
+from once import once_per_run
 import rla_compile.integrations.vllm
 from rla_compile import bundled
 from rla_compile.tiny import tiny_causal_lm
@@ -77,13 +78,13 @@ def _hf_counts(model_dir: Path) -> dict:
 def rla_probe(models, tmp_path_factory):
     """The probe with rla's default sites and a debug dump, once per family: the tests below
     read the same engine run (one engine start is about a minute here)."""
-    runs = {}
+    def build(family: str, path: Path) -> None:
+        path.mkdir()
+        (path / "result.json").write_text(json.dumps(_probe(models / family, "rla", path, path / "dump")))
 
     def run(family: str) -> tuple[dict, Path]:
-        if family not in runs:
-            tmp = tmp_path_factory.mktemp(f"rla_{family}")
-            runs[family] = (_probe(models / family, "rla", tmp, tmp / "dump"), tmp / "dump")
-        return runs[family]
+        path = once_per_run(tmp_path_factory, f"rla_probe_{family}", lambda p: build(family, p))
+        return json.loads((path / "result.json").read_text()), path / "dump"
 
     return run
 

@@ -37,6 +37,7 @@ _PUBLIC = {
 }
 
 __all__ = list(_PUBLIC)
+_REGISTRY_LISTS = {"DEFAULT_SITES", "SITE_KINDS"}
 
 
 def __getattr__(name: str):
@@ -44,7 +45,8 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
+    if name not in _REGISTRY_LISTS:  # the registry's lists are read from it each time (sites.registered)
+        globals()[name] = value
     return value
 
 
