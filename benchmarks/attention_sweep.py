@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -147,19 +145,8 @@ def run_family(family: str) -> dict:
 
 def run_isolated(family: str, timeout: float = TIMEOUT_S) -> dict:
     """`run_family` in a fresh process: a crash or a timeout is an "error" result."""
-    start = time.perf_counter()
-    command = [sys.executable, "-m", "benchmarks.attention_sweep", "--worker", family]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=os.environ.copy())
-    except subprocess.TimeoutExpired:
-        return {"family": family, "status": "error", "reason": f"timed out after {timeout:.0f} s", "seconds": timeout}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    lines = done.stderr.strip().splitlines() or ["(no output)"]
-    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)]
-    return {"family": family, "status": "error", "reason": f"exit {done.returncode}: {(errors or lines)[-1][:300]}",
-            "seconds": round(time.perf_counter() - start, 1)}
+    return _support().run_command([sys.executable, "-m", "benchmarks.attention_sweep", "--worker", family], family,
+                                  timeout, cwd=ROOT)
 
 
 def summary(results: list[dict]) -> dict:
@@ -187,11 +174,7 @@ def table(results: list[dict]) -> str:
     if known:
         lines += ["", "Rewritten, but the logits differ from the swapped reference:", ""]
         lines += [f"- `{r['family']}`: {KNOWN.get(r['family'], 'not localised yet')}" for r in known]
-    others = [r for r in results if r["status"] != "compared"]
-    if others:
-        lines += ["", f"Not compared ({len(others)}):", ""]
-        lines += [f"- `{r['family']}`: {'ERROR ' if r['status'] == 'error' else ''}{r['reason']}" for r in others]
-    return "\n".join(lines)
+    return "\n".join(lines + _support().not_compared(results))
 
 
 def section(data: dict) -> str:
@@ -218,13 +201,7 @@ def section(data: dict) -> str:
 
 
 def write_docs(data: dict, path: Path = DOCS) -> None:
-    text = path.read_text()
-    new = section(data)
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: new, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n## Attention across HF's causal LMs\n\n" + new + "\n"
-    path.write_text(text)
+    _support().replace_section(path, START, END, "## Attention across HF's causal LMs", section(data))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -21,7 +21,6 @@ import argparse
 import importlib.util
 import json
 import platform
-import re
 import subprocess
 import sys
 import threading
@@ -92,13 +91,7 @@ def section(data: dict) -> str:
 
 
 def write_docs(data: dict, path: Path = DOCS) -> None:
-    text = path.read_text()
-    new = section(data)
-    if START in text and END in text:
-        text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: new, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + "\n\n## Invariance across families\n\n" + new + "\n"
-    path.write_text(text)
+    family_sweep.replace_section(path, START, END, "## Invariance across families", section(data))
 
 
 NOT_RUN = "not run in this sweep (`python -m benchmarks.invariance_sweep --resume` runs the rest)"

@@ -204,10 +204,16 @@ def run_family(family: str, seeds: int = SEEDS) -> dict:
 
 def run_isolated(family: str, seeds: int = SEEDS, timeout: float = TIMEOUT_S) -> dict:
     """`run_family` in a fresh process. A crash or a timeout is an "error" result, not a skip."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--family", family, "--seeds", str(seeds)]
+    return run_command([sys.executable, str(Path(__file__).resolve()), "--family", family, "--seeds", str(seeds)],
+                       family, timeout)
+
+
+def run_command(command: list[str], family: str, timeout: float = TIMEOUT_S, cwd: Path | None = None) -> dict:
+    """A sweep's worker for one family in a fresh process: its last JSON line on stdout, or an
+    "error" result naming the exception (a crash, a timeout). The attention sweep runs its own."""
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=os.environ.copy(), cwd=cwd)
     except subprocess.TimeoutExpired:
         return {"family": family, "status": "error", "reason": f"timed out after {timeout:.0f} s", "seconds": timeout}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -256,11 +262,27 @@ def table(results: list[dict], seeds: int) -> str:
     if known:
         lines += ["", "Where pinned rla still differs from rla on eager kernels (first value that differs):", ""]
         lines += [f"- `{r['family']}`: {KNOWN[r['family']]}" for r in known]
+    return "\n".join(lines + not_compared(results))
+
+
+def not_compared(results: list[dict]) -> list[str]:
+    """Markdown lines listing the families a sweep did not compare, each with why."""
     others = [r for r in results if r["status"] != "compared"]
-    if others:
-        lines += ["", f"Not compared ({len(others)}):", ""]
-        lines += [f"- `{r['family']}`: {'ERROR ' if r['status'] == 'error' else ''}{r['reason']}" for r in others]
-    return "\n".join(lines)
+    if not others:
+        return []
+    return ["", f"Not compared ({len(others)}):", "",
+            *[f"- `{r['family']}`: {'ERROR ' if r['status'] == 'error' else ''}{r['reason']}" for r in others]]
+
+
+def replace_section(path: Path, start: str, end: str, heading: str, new: str) -> None:
+    """Put `new` (a docs section between the markers `start` and `end`) into the page at `path`:
+    in place of the old one, or at the end under `heading`."""
+    text = path.read_text()
+    if start in text and end in text:
+        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: new, text, flags=re.S)
+    else:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n" + new + "\n"
+    path.write_text(text)
 
 
 def summary(results: list[dict]) -> dict:
