@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rla_compile import mismatch
+from rla_compile import bundled, mismatch
 from rla_compile.mismatch import Stack, configurations
 from rla_compile.sites import DEFAULT_SITES, OPT_IN_SITES
 
@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
     # the floor a trainer-only change cannot go below: a trainer that does not round at all
-    rows = configurations(ablation=not args.no_ablation) + [
+    rows = configurations(ablation=not args.no_ablation, config=bundled.config_of(bundled.MODEL_DIR)) + [
         ("fp32 trainer, engine stock", Stack.parse("hf-inductor:float32:train"), None)]
     if args.rows:
         unknown = [label for label in args.rows if label not in {row[0] for row in rows}]

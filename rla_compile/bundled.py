@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,6 +49,12 @@ def check_model_dir(model_dir: str | Path, default: str = "the shipped model") -
         raise FileNotFoundError(f"{path} {missing}: pass a directory written by save_pretrained, or nothing for "
                                 f"{default}")
     return path
+
+
+def config_of(model_dir: str | Path) -> SimpleNamespace:
+    """`model_dir`'s config.json as attributes (what `Site.in_model` reads: e.g. its number of
+    experts), without building a transformers config."""
+    return SimpleNamespace(**json.loads((check_model_dir(model_dir) / "config.json").read_text()))
 
 
 def saved_dtype(model_dir: str | Path) -> str | None:

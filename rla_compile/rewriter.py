@@ -172,6 +172,7 @@ class Rewriter:
                         user.replace_input_with(node, fp32_value[node])
             else:
                 fp32_value[node] = node
+                _compute_dtype_fp32(node)
                 if ops.dtype_of(node) in ops.LOW_PRECISION:
                     _set_dtype(node, torch.float32)
         return fp32_value
@@ -290,6 +291,15 @@ def mark_save(rounding: Node) -> None:
     from torch.utils.checkpoint import CheckpointPolicy
 
     rounding.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _compute_dtype_fp32(node: Node) -> None:
+    """An op inside a region told to compute in a low-precision dtype (GPT-OSS's
+    `softmax(x, dtype=bf16)`) computes in fp32."""
+    if any(a in ops.LOW_PRECISION for a in node.args):
+        node.args = tuple(torch.float32 if a in ops.LOW_PRECISION else a for a in node.args)
+    if any(v in ops.LOW_PRECISION for v in node.kwargs.values()):
+        node.kwargs = {k: torch.float32 if v in ops.LOW_PRECISION else v for k, v in node.kwargs.items()}
 
 
 def _set_dtype(node: Node, dtype: torch.dtype) -> None:

@@ -15,8 +15,9 @@ from collections.abc import Iterable
 __all__ = ["BUILT_IN", "OPT_IN", "check_site_names", "default_sites", "kinds"]
 
 # In SITE_KINDS order (the order options, errors and reports list them).
-BUILT_IN: tuple[str, ...] = ("rmsnorm", "residual_rmsnorm", "swiglu", "rope", "logits", "attention")
-OPT_IN: tuple[str, ...] = ("logits", "attention")
+BUILT_IN: tuple[str, ...] = ("rmsnorm", "residual_rmsnorm", "swiglu", "rope", "logits", "attention", "router",
+                             "expert_combine")
+OPT_IN: tuple[str, ...] = ("logits", "attention", "router", "expert_combine")
 
 
 def _registry():

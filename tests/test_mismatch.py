@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,10 +93,15 @@ def test_plain_words_say_the_change_and_when_it_is_not_resolved():
 def test_ablation_keeps_the_one_side_rows_and_the_plot_finds_its_rows():
     from rla_compile.mismatch import plot
 
-    labels = [label for label, _, _ in mismatch.configurations(ablation=True)]
+    from rla_compile import bundled
+
+    labels = [label for label, _, _ in mismatch.configurations(ablation=True, config=bundled.config_of(bundled.MODEL_DIR))]
     assert labels[:7] == ["rla off", "rla on trainer only", "rla on inference only", "rla on both", "rla on both + logits",
                           "rla on both + attention", "rla on both + logits + attention"]
-    assert labels[7:] == [f"{kind} only, both sides" for kind in mismatch.SITE_KINDS]
+    dense = [kind for kind in mismatch.SITE_KINDS if kind not in ("router", "expert_combine")]  # no experts
+    assert labels[7:] == [f"{kind} only, both sides" for kind in dense]
+    moe = [label for label, _, _ in mismatch.configurations(ablation=False, config=SimpleNamespace(num_experts=8))]
+    assert "rla on both + router" in moe and moe[-1] == "rla on both + logits + attention + router + expert_combine"
     assert set(plot.SHOWN) <= set(labels)  # the histogram's rows exist under these names
 
 

@@ -34,6 +34,11 @@ DTYPES = [torch.bfloat16, torch.float16]
 # backward sum(dP * P) with Inductor's reduction order. Bounded below like unpinned Inductor's:
 # at most 1 ulp on at most 1% of elements (measured: 2 of 4096 elements, fp16 only).
 _MIXED_PINNED_GRADIENTS = {"attention"}
+# A router's input gradient is a sum over the experts of terms that cancel (a softmax's gradient
+# sums to zero across them), so Inductor's fp32 order in the backward moves its small results by
+# many ulps (measured: 38 of 1024 elements of h's gradient, up to 36 bf16 ulps); equal to the
+# reference compiled by Inductor, checked exactly above, not within 1 ulp of eager kernels'.
+_CANCELLING_GRADIENTS = {"router"}
 
 
 def _outputs(result):
@@ -48,8 +53,9 @@ def _run(fn, case: Case, dtype, backend=None, emulate=False):
     grads = ()
     if case.grads:
         torch.manual_seed(1)
-        cotangents = [torch.randn_like(o) for o in outs]
-        grads = torch.autograd.grad(outs, [args[i] for i in case.grads], cotangents)
+        floating = [o for o in outs if o.is_floating_point()]  # a router's expert ids have no gradient
+        cotangents = [torch.randn_like(o) for o in floating]
+        grads = torch.autograd.grad(floating, [args[i] for i in case.grads], cotangents)
     return [o.detach() for o in outs] + list(grads)
 
 
@@ -70,10 +76,14 @@ def _grid(case: Case, dtype, inner: str) -> bool:
 
 
 def _cells(cases, pins=(False, True), inners=("inductor", "aot_eager")):
+    """Pinned under aot_eager would repeat its unpinned twin: `pin_rounding` is an Inductor
+    setting (emulate_precision_casts, and rla's lowering of the roundings), and neither the
+    rewrite nor aot_eager reads it."""
     return [pytest.param(case, dtype, pin, inner, marks=[pytest.mark.grid] if _grid(case, dtype, inner) else [],
                          id=f"{case.name}-{'bf16' if dtype == torch.bfloat16 else 'fp16'}-"
                             f"{'pinned' if pin else 'unpinned'}-{inner}")
-            for case in cases for dtype in DTYPES for pin in pins for inner in inners]
+            for case in cases for dtype in DTYPES for pin in pins for inner in inners
+            if not (pin and inner == "aot_eager")]
 
 
 @pytest.mark.parametrize("case, dtype, pin, inner", _cells(CASES))
@@ -86,7 +96,7 @@ def test_site_follows_contract(case: Case, dtype, pin, inner):
     assert report.count(case.kind) == case.count, str(report)
     assert report.count(case.kind, case.status) == case.count, str(report)
     assert len(report.sites) == case.count, str(report)
-    assert all(t.dtype == (torch.float32 if case.kind == "logits" and t.dtype == torch.float32 else dtype) for t in got)
+    assert [t.dtype for t in got] == [t.dtype for t in eager_ref]
 
     if inner == "aot_eager":
         assert _mismatches(got, eager_ref) == [0] * len(got)
@@ -101,7 +111,11 @@ def test_site_follows_contract(case: Case, dtype, pin, inner):
         assert [min(pair) for pair in zip(_mismatches(got, compiled_ref), _mismatches(got, eager_ref))][:checked] == [0] * checked
     else:
         assert _mismatches(got, compiled_ref) == [0] * len(got)
-    for a, b in zip(got, eager_ref):
+    compared = len(got) - len(case.grads) if case.kind in _CANCELLING_GRADIENTS else len(got)
+    for a, b in zip(got[:compared], eager_ref[:compared]):
+        if not a.is_floating_point():  # a router's choice of experts: the same, whatever the kernels
+            assert torch.equal(a, b)
+            continue
         if a.dtype == torch.float32:  # compared bit for bit with the compiled reference above
             continue
         differ = a != b
@@ -120,13 +134,16 @@ def test_upcast_keeps_the_order_of_the_values_other_users():
     assert _mismatches(got, _run(POST_NORM.reference, POST_NORM, torch.bfloat16)) == [0] * len(got)
 
 
-@pytest.mark.parametrize("case, dtype, pin, inner", _cells([c for c in CASES if c.status == "rewritten"], (True,),
-                                                          ("inductor",)))
-def test_without_rla_the_difference_shows(case: Case, dtype, pin, inner):
-    """Inductor rounding like eager (emulate_precision_casts) keeps the mid-site roundings the
-    pass removes, so the comparison above could fail."""
-    got = _run(case.fn, case, dtype, "inductor", emulate=True)
-    ref = _run(case.reference, case, dtype, "inductor", emulate=True)
+@pytest.mark.parametrize("case, dtype", [pytest.param(c, d, id=f"{c.name}-{'bf16' if d == torch.bfloat16 else 'fp16'}")
+                                         for c in CASES if c.status == "rewritten" for d in DTYPES])
+def test_without_rla_the_difference_shows(case: Case, dtype):
+    """As written, each case rounds where the contract does not, so the comparisons above could
+    fail: on eager kernels, and for one case of each site kind under Inductor rounding like
+    eager (emulate_precision_casts keeps the mid-site roundings the pass removes; it rounds
+    where eager kernels do, so the other cases' eager difference is theirs under it too)."""
+    inductor = case.name in REPRESENTATIVES and dtype == torch.bfloat16
+    got = _run(case.fn, case, dtype, "inductor" if inductor else None, emulate=inductor)
+    ref = _run(case.reference, case, dtype, "inductor" if inductor else None, emulate=inductor)
     assert sum(_mismatches(got, ref)) > 0
 
 

@@ -5,6 +5,7 @@ re-exports everything here)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -54,19 +55,23 @@ def default_stacks(inference: str | None = None) -> tuple[Stack, Stack, str | No
     raise ValueError(f"unknown inference stack {inference!r}: use 'vllm' or 'hf'")
 
 
-def configurations(ablation: bool) -> list[tuple[str, tuple | None, tuple | None]]:
+def configurations(ablation: bool, config: Any = None) -> list[tuple[str, tuple | None, tuple | None]]:
     """(label, trainer sites, inference sites) per row; None is rla off. rla off, on one side,
     on both (the default sites), on both with each opt-in site too, and with all of them; with `ablation` also each
-    site alone on both sides."""
-    every = tuple(registry.DEFAULT_SITES)
+    site alone on both sides. With the model's (HF) `config`, only the sites such a model can
+    have (`Site.in_model`: the MoE sites for a model with experts)."""
+    def present(kinds: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(k for k in kinds if config is None or registry.by_kind(k).in_model(config))
+
+    every, opt_in = tuple(registry.DEFAULT_SITES), present(registry.OPT_IN_SITES)
     rows = [("rla off", None, None), ("rla on trainer only", every, None), ("rla on inference only", None, every),
             ("rla on both", every, every)]
-    rows += [(f"rla on both + {kind}", every + (kind,), every + (kind,)) for kind in registry.OPT_IN_SITES]
-    if len(registry.OPT_IN_SITES) > 1:
-        everything = every + tuple(registry.OPT_IN_SITES)
-        rows.append((f"rla on both + {' + '.join(registry.OPT_IN_SITES)}", everything, everything))
+    rows += [(f"rla on both + {kind}", every + (kind,), every + (kind,)) for kind in opt_in]
+    if len(opt_in) > 1:
+        everything = every + opt_in
+        rows.append((f"rla on both + {' + '.join(opt_in)}", everything, everything))
     if ablation:
-        rows += [(f"{kind} only, both sides", (kind,), (kind,)) for kind in registry.SITE_KINDS]
+        rows += [(f"{kind} only, both sides", (kind,), (kind,)) for kind in present(registry.SITE_KINDS)]
     return rows
 
 
@@ -90,7 +95,7 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
         default_trainer, note = TRAINER, None
         inference = Stack.parse(inference) if isinstance(inference, str) else inference
     trainer = Stack.parse(trainer) if isinstance(trainer, str) else trainer or default_trainer
-    rows = rows or configurations(ablation)
+    rows = rows or configurations(ablation, bundled.config_of(model_dir))
     if new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens}: sample at least 1 token per sequence")
     prompt_ids = bundled.prompts(prompts, prompt_tokens)

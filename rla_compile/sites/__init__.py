@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
-from . import attention, logits, residual_rmsnorm, rmsnorm, rope, swiglu
+from . import attention, expert_combine, logits, residual_rmsnorm, rmsnorm, rope, router, swiglu
 from .. import site_names
 from ..site_names import check_site_names
 from .base import Match, Miss, Site, SiteMatcher
@@ -26,6 +26,8 @@ SITES: tuple[Site, ...] = (
     rope.SITE,
     logits.SITE,
     attention.SITE,
+    router.SITE,
+    expert_combine.SITE,
 )
 
 MATCHERS: tuple[SiteMatcher, ...] = ()

@@ -83,6 +83,7 @@ class Site:
     rounding it implies (a mode, or a function of no arguments that says it for this machine,
     as the kernel's build does); `Options.rounding_of` resolves option `rounding` into a mode
     and a form, and `Match.computes` receives the form and emits it.
+    `config_keys`: see `in_model`.
     """
 
     kind: str
@@ -97,3 +98,10 @@ class Site:
     trainer_hooks: tuple[str, ...] = ()
     engine_rounding: str = ""
     engine_forms: Mapping[str, str] = field(default_factory=dict)
+    config_keys: tuple[str, ...] = ()
+
+    def in_model(self, config: Any) -> bool:
+        """Whether a model with this (HF) config can have the site: `config_keys` names config
+        attributes of which one must be set above 0 (MoE: a number of experts); none: any model.
+        The mismatch tool measures a site's own row only where it can be found."""
+        return not self.config_keys or any((getattr(config, key, 0) or 0) > 0 for key in self.config_keys)

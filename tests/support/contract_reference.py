@@ -118,6 +118,48 @@ def attention(q, k, v, mask=None, scale=None, causal=False, softcap=None, groups
     return out.to(q.dtype)
 
 
+def router(h, weight, k, scoring="softmax", renormalize=False, bias=None, topk_of_logits=False, correction=None,
+           scale=1.0, groups=None, out_dtype=None):
+    """An MoE router from fp32 h and Wg: logits, scores (softmax or sigmoid over the experts), the
+    top-k and their weights, all in fp32. `topk_of_logits` (GPT-OSS): the top-k of the logits, a
+    softmax over those k. `correction` (DeepSeek-V3): the experts chosen by scores + correction,
+    their weights the scores themselves; `groups` (DeepSeek-V3), (groups, groups kept): the experts
+    chosen only from the groups whose two best corrected scores sum highest (top-k unsorted, as
+    there). `scale`: a factor on the weights. Returns (weights,
+    expert ids); the weights rounded to `out_dtype` where the model rounds them, else fp32."""
+    logits = F.linear(h.to(torch.float32), weight.to(torch.float32), None if bias is None else bias.to(torch.float32))
+    if topk_of_logits:
+        values, ids = torch.topk(logits, k, dim=-1)
+        weights = torch.softmax(values, dim=-1)
+    else:
+        scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+        if correction is not None:
+            choice = scores + correction.to(torch.float32)
+            if groups is not None:
+                count, kept = groups
+                best = choice.view(len(choice), count, -1).topk(2, dim=-1)[0].sum(dim=-1)
+                keep = torch.zeros_like(best, dtype=torch.bool).scatter(1, best.topk(kept, dim=-1, sorted=False)[1], True)
+                choice = choice.masked_fill(~keep.repeat_interleave(choice.shape[1] // count, dim=1), 0.0)
+            ids = torch.topk(choice, k, dim=-1, sorted=groups is None)[1]
+            weights = scores.gather(1, ids)
+        else:
+            weights, ids = torch.topk(scores, k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights * scale
+    return (weights if out_dtype is None else weights.to(out_dtype)), ids
+
+
+def expert_combine(experts, weights):
+    """Each token's routing-weighted sum of its k experts' outputs (`experts` [T, k, H], the
+    weights [T, k]): the products and the sum in fp32, slot by slot from the first, rounded once."""
+    e, w = experts.to(torch.float32), weights.to(torch.float32)
+    total = e[:, 0] * w[:, :1]
+    for j in range(1, e.shape[1]):
+        total = total + e[:, j] * w[:, j : j + 1]
+    return total.to(experts.dtype)
+
+
 def within_one_ulp(got, reference):
     """Inductor with rounding pinned: the contract's rounding locations with Inductor's own
     fp32 math (its reduction order in the backward's sums), which can move a value across a

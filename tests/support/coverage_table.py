@@ -162,8 +162,11 @@ def main(argv=None) -> int:
         chosen = [e for e in entries() if not args.only or e.name in args.only]
         text = table([collect(e) for e in chosen])
     if args.write:
-        hf, fw = split(args.write.read_text()) if args.write.exists() else ("", "")
-        args.write.write_text(hf + text if args.frameworks else text + fw)
+        page = args.write.read_text() if args.write.exists() else ""
+        hf, fw = split(page) if page else ("", "")
+        marker = "\n\n" + ATTENTION_HEADING + "\n"
+        sweep = marker + page.split(marker, 1)[1] if marker in page else ""  # the attention sweep's section stays
+        args.write.write_text((hf + text if args.frameworks else text + fw).rstrip("\n") + "\n" + sweep)
     else:
         print(text, end="")
     return 0

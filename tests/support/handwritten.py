@@ -103,7 +103,7 @@ class Decoder(nn.Module):
         one attention per block."""
         layers = self.c.layers
         return {"rmsnorm": 1, "residual_rmsnorm": 2 * layers, "swiglu": layers, "rope": 2 * layers, "logits": 1,
-                "attention": layers}
+                "attention": layers, "router": 0, "expert_combine": 0}  # dense: no experts
 
 
 # -- gpt-fast ---------------------------------------------------------------------------------

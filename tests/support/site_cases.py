@@ -637,6 +637,123 @@ CASES += [
          grads=_QKV),
 ]
 
+# -- MoE: the router and the expert combine ----------------------------------------------------
+EXPERTS, TOP_K = 8, 3  # k > 2: the order of the weighted sum shows (two terms add alike either way)
+
+
+def _h_router(dtype):
+    return (torch.randn(T, D) * 2).to(dtype), (0.3 * torch.randn(EXPERTS, D)).to(dtype)
+
+
+def _h_router_bias(dtype):
+    return (*_h_router(dtype), (0.1 * torch.randn(EXPERTS)).to(dtype))
+
+
+def _h_router_correction(dtype):  # DeepSeek-V3's correction bias is an fp32 buffer
+    return (*_h_router(dtype), 0.05 * torch.randn(EXPERTS))
+
+
+def router_qwen3(h, w):  # HF Qwen3-MoE / OLMoE: bf16 logits, fp32 softmax, renormalised, weights rounded
+    logits = F.linear(h, w)
+    probs = F.softmax(logits, dtype=torch.float, dim=-1)
+    top, ids = torch.topk(probs, TOP_K, dim=-1)
+    top /= top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype), ids
+
+
+def router_mixtral(h, w):  # HF Mixtral: softmax of the upcast logits, renormalised, weights left fp32
+    logits = F.linear(h, w)
+    top, ids = torch.topk(F.softmax(logits.float(), dim=-1), TOP_K, dim=-1)
+    return top / top.sum(dim=-1, keepdim=True), ids
+
+
+def router_gpt_oss(h, w, b):  # HF GPT-OSS: top-k of the (biased) bf16 logits, a softmax over the k in bf16
+    logits = F.linear(h, w, b)
+    top, ids = torch.topk(logits, TOP_K, dim=-1)
+    return F.softmax(top, dim=1, dtype=top.dtype), ids
+
+
+def router_qwen2(h, w):  # HF Qwen2-MoE / Qwen3-MoE with norm_topk_prob=False: not renormalised
+    logits = F.linear(h, w)
+    top, ids = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), TOP_K, dim=-1)
+    return top.to(logits.dtype), ids
+
+
+GROUPS, TOP_GROUPS = 4, 2
+
+
+def router_deepseek(h, w, correction):  # DeepSeek-V3's group-limited routing (HF's), on bf16 logits
+    scores = F.linear(h, w).sigmoid()
+    choice = scores + correction
+    group_scores = choice.view(-1, GROUPS, EXPERTS // GROUPS).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=TOP_GROUPS, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, GROUPS, EXPERTS // GROUPS).reshape(-1, EXPERTS)
+    ids = torch.topk(choice.masked_fill(~score_mask.bool(), 0.0), TOP_K, dim=-1, sorted=False)[1]
+    top = scores.gather(1, ids)
+    top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return (top * 2.5).to(h.dtype), ids
+
+
+def _probs_experts(dtype):  # the router's fp32 scores (an input here) and each (token, slot)'s expert output
+    return torch.softmax(torch.randn(T, EXPERTS) * 2, dim=-1), (torch.randn(T * TOP_K, D) * 2).to(dtype)
+
+
+def _top(probs, dtype):  # the weights as HF's router hands them on: rounded to the activation dtype
+    top, ids = torch.topk(probs, TOP_K, dim=-1)
+    return top.to(dtype), ids
+
+
+def combine_batched(probs, experts):  # HF batched_mm experts: the k products viewed per token and summed
+    top, _ = _top(probs, experts.dtype)
+    return (experts * top.reshape(-1).unsqueeze(-1)).view(T, TOP_K, D).sum(dim=1)
+
+
+def combine_grouped(probs, experts):  # HF grouped_mm experts: rows sorted by expert, put back, summed
+    top, ids = _top(probs, experts.dtype)
+    order = torch.sort(ids.reshape(-1)).indices
+    weighted = experts[order] * top.reshape(-1)[order].unsqueeze(-1)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return weighted[inverse].view(T, TOP_K, D).sum(dim=1)
+
+
+def combine_index_add(probs, experts):  # each (token, slot) row added into its token's row
+    top, _ = _top(probs, experts.dtype)
+    rows = torch.arange(T).repeat_interleave(TOP_K)
+    return torch.zeros(T, D, dtype=experts.dtype).index_add(0, rows, experts * top.reshape(-1, 1))
+
+
+def combine_scatter_add(probs, experts):
+    top, _ = _top(probs, experts.dtype)
+    rows = torch.arange(T).repeat_interleave(TOP_K).unsqueeze(-1).expand(-1, D)
+    return torch.zeros(T, D, dtype=experts.dtype).scatter_add(0, rows, experts * top.reshape(-1, 1))
+
+
+def combine_reference(probs, experts):
+    return ref.expert_combine(experts.view(T, TOP_K, D), torch.topk(probs, TOP_K, dim=-1)[0])
+
+
+CASES += [
+    Case("router_qwen3", "router", router_qwen3, _h_router,
+         lambda h, w: ref.router(h, w, TOP_K, renormalize=True, out_dtype=h.dtype), grads=(0, 1)),
+    Case("router_mixtral", "router", router_mixtral, _h_router,
+         lambda h, w: ref.router(h, w, TOP_K, renormalize=True), grads=(0, 1)),
+    Case("router_gpt_oss", "router", router_gpt_oss, _h_router_bias,
+         lambda h, w, b: ref.router(h, w, TOP_K, bias=b, topk_of_logits=True, out_dtype=h.dtype), grads=(0, 1, 2)),
+    Case("router_qwen2", "router", router_qwen2, _h_router, lambda h, w: ref.router(h, w, TOP_K, out_dtype=h.dtype),
+         grads=(0, 1)),
+    Case("router_deepseek", "router", router_deepseek, _h_router_correction,
+         lambda h, w, c: ref.router(h, w, TOP_K, scoring="sigmoid", renormalize=True, correction=c, scale=2.5,
+                                    groups=(GROUPS, TOP_GROUPS), out_dtype=h.dtype), grads=(0, 1)),
+    Case("combine_batched", "expert_combine", combine_batched, _probs_experts, combine_reference, grads=(0, 1)),
+    Case("combine_grouped", "expert_combine", combine_grouped, _probs_experts, combine_reference, grads=(0, 1)),
+    Case("combine_index_add", "expert_combine", combine_index_add, _probs_experts, combine_reference, grads=(0, 1)),
+    Case("combine_scatter_add", "expert_combine", combine_scatter_add, _probs_experts, combine_reference,
+         grads=(0, 1)),
+]
+
 # Not in CASES: the rounding of q and k before the site is the model's, not a site's, and unpinned
 # Inductor fuses it into the site's upcast and drops it (emulate_precision_casts=False);
 # tests/test_sites.py checks it on eager kernels and pinned.
