@@ -118,6 +118,23 @@ def test_hf_family_equals_contract_reference(entry):
     assert mismatches(_train(model, ids), reference) > 0  # as written, the model rounds elsewhere
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_sites_equal_contract_reference(name):
+    """The router and expert-combine sites in a whole MoE model, trained one step: logits and
+    every parameter's gradient (the router's weight too) bit for bit against the model run
+    eagerly with its sites, router included, replaced by the contract reference."""
+    entry = next(e for e in ENTRIES if e.name == name)
+    model, ids = entry.build(), tokens()
+    sites = [*rla_compile.DEFAULT_SITES, "router", "expert_combine"]
+    got = _train(model, ids, rla_compile.Backend(compiler="aot_eager", sites=sites))
+    torch._dynamo.reset()
+    with contract_sites(model, kinds=("rmsnorm", "swiglu", "rope", "router")):
+        reference = _train(model, ids)
+    assert mismatches(got, reference) == 0
+    without = _train(model, ids, rla_compile.Backend(compiler="aot_eager"))  # the default sites only
+    assert mismatches(without, reference) > 0
+
+
 # Not the MoE families: Inductor's backward of the experts' grouped matmuls differs from eager
 # already without rla (mixtral: 23787 of one expert weight gradient's elements), outside the sites.
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

@@ -7,6 +7,8 @@
   the multiply by the up projection computes `round(act(g) * u)` in fp32.
 - RoPE: the rotary module returns fp32 cos/sin (the contract's bypass) and the modeling
   module's `apply_rotary_pos_emb` (or DeepSeek's interleaved version) is the reference.
+- MoE (kind "router"): the router module computes the contract's router and hands the experts
+  fp32 weights, so their combine multiplies and sums in fp32, rounded once.
 
 A `TorchFunctionMode` sees the adds and multiplies. A bf16 add of two same-shape tensors is
 computed as round(s), s = fp32(h) + fp32(r) — the same value a bf16 add gives, and the
@@ -80,6 +82,19 @@ def _act_forward(module, mode: ContractMode, act: str):
     return types.MethodType(forward, module)
 
 
+def _router_forward(module, renormalize: bool):
+    """An MoE top-k router (Qwen3-MoE's, Mixtral's) computing the contract: fp32 logits, scores,
+    top-k and weights, the weights left fp32 for the experts, whose combine then multiplies
+    and sums in fp32 (HF's grouped_mm and batched_mm experts promote to the weights' dtype and
+    round the sum once); its logits, for readers outside, rounded once."""
+    def forward(self, hidden_states):
+        h = hidden_states.reshape(-1, self.hidden_dim)
+        weights, ids = ref.router(h, self.weight, self.top_k, renormalize=renormalize)
+        return ref.logits(h, self.weight).to(h.dtype), weights, ids
+
+    return types.MethodType(forward, module)
+
+
 def _rotary_forward(module):
     original = module.forward
 
@@ -101,10 +116,14 @@ def _apply_rotary_interleave(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
     return ref.rope_pairs(q, cos, sin), ref.rope_pairs(k, cos, sin)
 
 
+SOFTMAX_ROUTERS = ("Qwen3MoeTopKRouter", "MixtralTopKRouter")  # softmax, top-k, weights rounded or not
+
+
 @contextlib.contextmanager
 def contract_sites(model, kinds=("rmsnorm", "swiglu", "rope"), skip=()):
-    """kinds: which sites to replace; "rmsnorm" covers plain and residual norms. skip: modules
-    left as written (e.g. a norm outside the compiled graphs)."""
+    """kinds: which sites to replace; "rmsnorm" covers plain and residual norms, "router" the
+    MoE router and with it the experts' combine (`_router_forward`). skip: modules left as
+    written (e.g. a norm outside the compiled graphs)."""
     config = model.config
     gemma = config.model_type.startswith("gemma")
     act = ACTS[getattr(config, "hidden_activation", None) or config.hidden_act]
@@ -119,6 +138,9 @@ def contract_sites(model, kinds=("rmsnorm", "swiglu", "rope"), skip=()):
             patched.append((module, "forward", _norm_forward(module, mode, gemma)))
         elif name.endswith("RotaryEmbedding") and "rope" in kinds:
             patched.append((module, "forward", _rotary_forward(module)))
+        elif name in SOFTMAX_ROUTERS and "router" in kinds:
+            renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalises
+            patched.append((module, "forward", _router_forward(module, renormalize)))
         for attr in ("act_fn", "activation_fn"):
             fn = getattr(module, attr, None)
             if isinstance(fn, torch.nn.Module) and "swiglu" in kinds:
