@@ -293,6 +293,56 @@ def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
 
 @pytestmark_vllm
 @pytest.mark.vllm
+def test_router_hook_routes_in_fp32_as_the_contract():
+    """The router site's engine half, piece by piece (the engine end to end:
+    benchmarks/moe_routing.py): an engine whose config aligns `router` marks its gates; the CPU
+    GEMM dispatch keeps a marked gate's weight in fp32 before packing the bf16 one; the gate
+    then computes fp32 logits from fp32 h; CPURouter's softmax routing of fp32 logits is the
+    contract's (all E in fp32, top-k of the probabilities, renormalised), equal to the
+    reference bit for bit, and bf16 logits (an engine that does not align it) route as vLLM's."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    import contract_reference as ref
+    from rla_compile.integrations import vllm as rla_vllm
+
+    rla_vllm.route_in_fp32()
+    try:
+        selects = {}
+        for sites in (["router"], ["rope"]):
+            settings = rla_vllm.compilation_config(sites=sites)
+            config = VllmConfig(compilation_config=CompilationConfig(
+                custom_ops=["none"], inductor_compile_config=settings["inductor_compile_config"]))
+            with set_current_vllm_config(config):
+                selects[sites[0]] = rla_vllm._engine_selects("route_in_fp32")
+        assert selects == {"router": True, "rope": False}
+
+        torch.manual_seed(0)
+        h, w = torch.randn(24, 128).bfloat16(), (0.2 * torch.randn(16, 128)).bfloat16()
+        gate = SimpleNamespace(rla_fp32=True, weight=torch.nn.Parameter(w.clone(), requires_grad=False), return_bias=True)
+        layer_utils.dispatch_cpu_unquantized_gemm(gate, remove_weight=True)  # vLLM packs the bf16 weight, empties it
+        assert gate.weight.numel() == 0  # the bf16 weight lives on only inside the packed GEMM
+        assert gate.rla_weight_fp32.dtype == torch.float32 and torch.equal(gate.rla_weight_fp32, w.float())
+        logits, bias = GateLinear.forward(gate, h)
+        assert bias is None and logits.dtype == torch.float32 and torch.equal(logits, ref.logits(h, w))
+
+        router = CPURouter(top_k=4, global_num_experts=16, renormalize=True)
+        weights, ids = router._compute_routing(h, logits, None)
+        want, want_ids = ref.router(h, w, 4, renormalize=True)
+        assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
+        assert weights.dtype == torch.float32 and torch.equal(weights, want)
+        stock, _ = router._compute_routing(h, logits.bfloat16(), None)  # vLLM's own: a bf16 softmax over the k
+        assert not torch.equal(stock, want)
+    finally:
+        rla_vllm.undo()
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
 def test_vllm_gpu_path_live(monkeypatch):
     """vLLM's GPU compile path, run on CPU: the pieces split at attention, compiled through vLLM's
     own PostGradPassManager with rla's pass added where vLLM adds a user's pass. The pieces

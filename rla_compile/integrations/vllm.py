@@ -368,16 +368,74 @@ def keep_rope_tables_fp32() -> None:
 def _engine_keeps_fp32_rope() -> bool:
     if os.environ.get(FP32_ROPE_ENV) == "1":
         return True
+    return _engine_selects("fp32_rope_tables")
+
+
+def route_in_fp32() -> None:
+    """The router site's engine half on vLLM-CPU, for engines that align `router`: the gate's
+    logits from fp32 h and Wg (vLLM computes them in bf16, with oneDNN), and `CPURouter`'s
+    softmax routing as the contract computes it — a softmax of all E logits in fp32, the top-k
+    of the probabilities, renormalised in fp32 — where vLLM takes the top-k of the bf16 logits and
+    a softmax over those k, rounded to bf16. The weights reach vLLM's fused kernel in fp32 as
+    before; its experts and weighted sum are its own (docs/contract.md#mixture-of-experts-opt-in).
+
+    Three patches: GateLinear's constructor notes whether its engine aligns the router; the CPU
+    GEMM dispatch keeps such a gate's weight in fp32 before it packs (and drops) the bf16 one;
+    its forward and CPURouter's softmax routing then compute in fp32. Other engines, and the
+    grouped, sigmoid and custom routings, are vLLM's. Idempotent; `undo()` restores vLLM's."""
+    import torch
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+    init, dispatch = patching.original(GateLinear, "__init__"), patching.original(layer_utils, "dispatch_cpu_unquantized_gemm")
+    forward, routing = patching.original(GateLinear, "forward"), patching.original(cpu_router.CPURouter, "_compute_routing")
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.rla_fp32 = _engine_selects("route_in_fp32")
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight):
+        if getattr(layer, "rla_fp32", False) and not layer.weight.is_meta:
+            layer.rla_weight_fp32 = layer.weight.detach().to(torch.float32).clone()
+        return dispatch(layer, remove_weight)
+
+    def gate_forward(self, x):
+        weight = getattr(self, "rla_weight_fp32", None)
+        if weight is None:
+            return forward(self, x)
+        logits = torch.nn.functional.linear(x.to(torch.float32), weight)
+        return (logits, None) if self.return_bias else logits
+
+    def _compute_routing(self, hidden_states, router_logits, indices_type, **kwargs):
+        contract = (router_logits.dtype == torch.float32 and not self.use_grouped_topk
+                    and self.scoring_func == "softmax" and self.custom_routing_function is None)
+        if not contract:
+            return routing(self, hidden_states, router_logits, indices_type, **kwargs)
+        probs = torch.softmax(router_logits, dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+    patching.patch(GateLinear, "__init__", __init__)
+    patching.patch(layer_utils, "dispatch_cpu_unquantized_gemm", dispatch_cpu_unquantized_gemm)
+    patching.patch(GateLinear, "forward", gate_forward)
+    patching.patch(cpu_router.CPURouter, "_compute_routing", _compute_routing)
+
+
+def _engine_selects(hook: str) -> bool:
+    """Whether the engine vLLM is building now aligns a site that asks for `hook`."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()  # set by vLLM while it builds an engine's model
     rla = None if config is None else config.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass")
-    return is_rla_pass(rla) and any("fp32_rope_tables" in site.engine_hooks for site in registry.selected(rla.options.sites))
+    return is_rla_pass(rla) and any(hook in site.engine_hooks for site in registry.selected(rla.options.sites))
 
 
 # The hooks a site may ask for by name (`Site.engine_hooks`), run by `_prepare_process`.
 ENGINE_HOOKS = {"fp32_rope_tables": keep_rope_tables_fp32, "fp32_attention_kernel": use_fp32_attention_kernel,
-                "check_attention_kernel": check_attention_kernel}
+                "check_attention_kernel": check_attention_kernel, "route_in_fp32": route_in_fp32}
 
 
 def register() -> None:
