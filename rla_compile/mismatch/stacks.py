@@ -198,11 +198,10 @@ def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdi
 
 
 def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch.Tensor,
-                    workdir: Path | None = None, prompt_tokens: int | None = None, routed_experts: bool = False) -> dict:
+                    workdir: Path | None = None, prompt_tokens: int | None = None) -> dict:
     """Run `python -m module REQUEST.json` for `stack` in a fresh process (in-process engine,
     fresh vLLM and Inductor caches) and return what it saved. `sequences`: a [B, T] tensor, or
-    a list of token lists of different lengths (prompt scoring only). `routed_experts`: also
-    the expert ids an MoE model chose per token and layer (prompt scoring only)."""
+    a list of token lists of different lengths (prompt scoring only)."""
     rows = sequences.tolist() if hasattr(sequences, "tolist") else [list(map(int, s)) for s in sequences]
     if stack.decode and not (prompt_tokens and all(0 < prompt_tokens < len(s) for s in rows)):
         raise ValueError(f"the decode stack {stack.label} generates each sequence after its prompt: give "
@@ -215,7 +214,7 @@ def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch
         request = {"model_dir": str(model_dir), "sequences": rows, "compiled": stack.compiler == "inductor",
                    "dtype": stack.dtype,
                    "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt"),
-                   "decode_after": prompt_tokens if stack.decode else None, "routed_experts": routed_experts}
+                   "decode_after": prompt_tokens if stack.decode else None}
         (tmp / "request.json").write_text(json.dumps(request))
         env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "vllm_cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
         env.pop("RLA_VLLM_FP32_ROPE", None)

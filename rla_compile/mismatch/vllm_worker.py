@@ -53,8 +53,6 @@ def engine(request: dict):
     config, extra = None, {}
     if request.get("decode_after"):
         extra["logits_processors"] = [forced_tokens_processor()]
-    if request.get("routed_experts"):
-        extra["enable_return_routed_experts"] = True  # an MoE model's expert ids per token and layer
     if request["sites"] is not None:
         from ..integrations import vllm as rla_vllm
 
@@ -67,11 +65,9 @@ def engine(request: dict):
     return llm, config
 
 
-def prompt_logprobs(llm, sequences: list[list[int]], routed: list | None = None) -> torch.Tensor:
+def prompt_logprobs(llm, sequences: list[list[int]]) -> torch.Tensor:
     """Teacher-forced full-vocabulary logprobs of positions 1..T-1: [B, T-1, V] fp32. Sequences
-    may differ in length (T the longest): a row's positions past its own end are NaN. `routed`:
-    a list that gets each sequence's expert ids, [tokens, layers, k], where the engine returns
-    them (`enable_return_routed_experts`)."""
+    may differ in length (T the longest): a row's positions past its own end are NaN."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -80,11 +76,6 @@ def prompt_logprobs(llm, sequences: list[list[int]], routed: list | None = None)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
     logprobs = torch.full((len(sequences), max(len(s) for s in sequences) - 1, vocab), float("nan"))
     for row, out in enumerate(outputs):
-        if routed is not None:
-            experts = out.outputs[0].routed_experts
-            if experts is None:
-                raise RuntimeError("vLLM returned no routed experts: is the model a mixture of experts?")
-            routed.append(torch.as_tensor(experts[: len(sequences[row])]).long())
         for pos, dist in enumerate(out.prompt_logprobs[1:]):
             ids = torch.tensor(list(dist.keys()))
             logprobs[row, pos, ids] = torch.tensor([lp.logprob for lp in dist.values()], dtype=torch.float32)
@@ -127,12 +118,11 @@ def reports(config) -> list[dict]:
 def main(request_path: str) -> None:
     request = json.loads(open(request_path).read())
     llm, config = engine(request)
-    routed = [] if request.get("routed_experts") else None
     if request.get("decode_after"):
         logprobs = decode_logprobs(llm, request["sequences"], request["decode_after"])
     else:
-        logprobs = prompt_logprobs(llm, request["sequences"], routed)
-    torch.save({"logprobs": logprobs, "reports": reports(config), "routed_experts": routed}, request["out"])
+        logprobs = prompt_logprobs(llm, request["sequences"])
+    torch.save({"logprobs": logprobs, "reports": reports(config)}, request["out"])
 
 
 if __name__ == "__main__":
