@@ -36,12 +36,11 @@ import torch
 
 import rla_compile
 from rla_compile import bundled
-from rla_compile.config import Options
 from rla_compile.machine import machine
 from rla_compile.mismatch.stacks import Stack, require_vllm, run_vllm_worker
 
 from .common import write
-from .user_loop import compare, prompts
+from .user_loop import compare, compiled_trainer, prompts
 
 EXPERTS, TOP_K = 16, 4
 LENGTHS = (17, 40, 33, 48, 24, 64, 29, 56)
@@ -76,19 +75,11 @@ def trainer_side(model_dir: Path, sequences, sites, dtype: str) -> tuple[list[to
     log-distributions and the routers' expert ids, [T, layers, k], per sequence."""
     from transformers import AutoModelForCausalLM
 
-    from rla_compile.integrations.vllm_kernels import paired_rounding
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), local_files_only=True)
-    model.train()
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
     chosen: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].detach())) for r in routers]
-    backend = None
-    if sites:
-        options = Options(sites=frozenset(sites))
-        backend = rla_compile.Backend(sites=list(sites), rounding=paired_rounding(options))
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend or "inductor")
+    compiled, backend = compiled_trainer(model, sites)
     logprobs, routed = [], []
     for sequence in sequences:
         chosen.clear()

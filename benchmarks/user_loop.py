@@ -41,22 +41,28 @@ def prompts(lengths) -> list[list[int]]:
     return [row[:n] for row, n in zip(text, lengths)]
 
 
+def compiled_trainer(model, sites) -> tuple:
+    """`model` in training mode, compiled as a user of the documented path compiles it: rla on
+    `sites`, paired with this machine's vLLM kernels (`paired_rounding`), or plain Inductor
+    when `sites` is empty or None. -> (compiled model, rla's backend or None)."""
+    from rla_compile.integrations.vllm_kernels import paired_rounding
+
+    model.train()
+    backend = None
+    if sites:
+        backend = rla_compile.Backend(sites=list(sites), rounding=paired_rounding(Options(sites=frozenset(sites))))
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend or "inductor"), backend
+
+
 def trainer_logprobs(sequences, sites, attention: str | None) -> tuple[list[torch.Tensor], rla_compile.Backend | None]:
     """Each sequence through one compiled trainer (training-mode forward), one at a time, as a
     loop with varying lengths feeds it: [T-1, V] fp32 log-distributions per sequence."""
     from transformers import AutoModelForCausalLM
 
-    from rla_compile.integrations.vllm_kernels import paired_rounding
-
     extra = {} if attention is None else {"attn_implementation": attention}
     model = AutoModelForCausalLM.from_pretrained(bundled.MODEL_DIR, dtype=torch.bfloat16, local_files_only=True, **extra)
-    model.train()
-    backend = None
-    if sites:
-        options = Options(sites=frozenset(sites))
-        backend = rla_compile.Backend(sites=list(sites), rounding=paired_rounding(options))
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend or "inductor")
+    compiled, backend = compiled_trainer(model, sites)
     out = []
     for sequence in sequences:
         logits = compiled(torch.tensor([sequence]), use_cache=False).logits
