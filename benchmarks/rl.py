@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rla_compile.integrations.vllm import engine_env
 from rla_compile.sites import DEFAULT_SITES, OPT_IN_SITES
 
 from .common import module_command, module_env
@@ -156,9 +157,7 @@ def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.std
 
 def run(config: str, steps: int, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RLA_")}
-        env.update(VLLM_CACHE_ROOT=os.path.join(cache, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                   VLLM_USE_AOT_COMPILE="0")
+        env = engine_env(os.path.join(cache, "vllm"), {k: v for k, v in os.environ.items() if not k.startswith("RLA_")})
         start = time.perf_counter()
         with tempfile.TemporaryFile("w+") as errors:
             worker_process = subprocess.Popen(module_command(__spec__.name, "--worker", config, "--steps", steps, "--seeds", seed),

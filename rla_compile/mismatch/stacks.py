@@ -192,22 +192,25 @@ def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> dict:
 
 def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None,
                   prompt_tokens: int | None = None) -> dict:
-    """Score in a fresh process: each engine gets its own compile caches and environment (the
+    """Score in a fresh process: each engine gets its own vLLM compile cache and environment (the
     fp32 RoPE tables are switched per process), and vLLM's globals never leak between stacks."""
     return run_vllm_worker("rla_compile.mismatch.vllm_worker", stack, model_dir, sequences, workdir, prompt_tokens)
 
 
 def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch.Tensor,
                     workdir: Path | None = None, prompt_tokens: int | None = None) -> dict:
-    """Run `python -m module REQUEST.json` for `stack` in a fresh process (in-process engine,
-    fresh vLLM and Inductor caches) and return what it saved. `sequences`: a [B, T] tensor, or
-    a list of token lists of different lengths (prompt scoring only)."""
+    """Run `python -m module REQUEST.json` for `stack` in a fresh process (an in-process engine,
+    its environment from `engine_env`: a fresh vLLM cache, Inductor's compiled kernels shared)
+    and return what it saved. `sequences`: a [B, T] tensor, or a list of token lists of
+    different lengths (prompt scoring only)."""
     rows = sequences.tolist() if hasattr(sequences, "tolist") else [list(map(int, s)) for s in sequences]
     if stack.decode and not (prompt_tokens and all(0 < prompt_tokens < len(s) for s in rows)):
         raise ValueError(f"the decode stack {stack.label} generates each sequence after its prompt: give "
                          f"prompt_tokens between 1 and {min(map(len, rows)) - 1}, got {prompt_tokens!r}")
     require_vllm("the vLLM stack")
     import torch
+
+    from ..integrations.vllm import engine_env
 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         tmp = Path(tmp)
@@ -216,11 +219,8 @@ def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch
                    "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt"),
                    "decode_after": prompt_tokens if stack.decode else None}
         (tmp / "request.json").write_text(json.dumps(request))
-        env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "vllm_cache"), TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
+        env = engine_env(tmp / "vllm_cache")
         env.pop("RLA_VLLM_FP32_ROPE", None)
-        for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-                           ("VLLM_USE_AOT_COMPILE", "0")):
-            env.setdefault(key, value)
         done = subprocess.run([sys.executable, "-m", module, str(tmp / "request.json")],
                               capture_output=True, text=True, env=env)
         if done.returncode:
