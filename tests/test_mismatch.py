@@ -187,6 +187,7 @@ def test_identical_stacks_give_zero_mismatch():
     (row,) = report.rows
     assert row.metrics.bitwise_equal == 1.0 and row.metrics.max_abs_dlogprob == 0 and row.metrics.kl_full == 0
     assert report.scored_tokens == row.metrics.tokens == 24
+    assert row.routing is None and "routing=" not in report.table()  # a dense model: no routers to compare
 
 
 def test_fp32_pair_mismatch_is_fp32_noise():
@@ -255,3 +256,50 @@ def test_localise_compares_a_head_kept_in_fp32_with_one_rounded(sequences):
     head = next(p for p in both.points if p.name == "lm_head")
     assert head.dtype == "float32" and not head.equal
     assert all(p.equal for p in both.points[:both.points.index(head)])  # the same model up to its head
+
+
+# --- mixture of experts: which experts each stack's routers choose ----------------------------
+
+
+def _tiny_moe(path):
+    from rla_compile.tiny import tiny_causal_lm
+
+    tiny_causal_lm("qwen3_moe", vocab_size=256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True).save_pretrained(path)
+    return path
+
+
+def test_routing_agreement_by_hand():
+    from rla_compile.mismatch.metrics import routing_agreement
+
+    a = torch.tensor([[[[0, 1]], [[2, 3]]]])  # one sequence of 2 tokens, 1 layer, k = 2
+    assert routing_agreement(a, a).agreement == 1.0
+    swapped = torch.tensor([[[[1, 0]], [[2, 5]]]])  # the order within the k is not compared; token 1 keeps 1 of 2
+    r = routing_agreement(a, swapped)
+    assert (r.agreement, r.per_layer, r.all_k_agree, r.pairs) == (0.75, [0.75], 0.5, 2)
+    with pytest.raises(ValueError, match="differ in shape"):
+        routing_agreement(a, a[:, :1])
+
+
+def test_routes_are_the_experts_the_router_logits_choose(tmp_path):
+    """score(..., routes=True): per token and MoE layer, the k experts of the top-k of the
+    model's own router logits (transformers' output_router_logits), an independent read."""
+    model_dir = _tiny_moe(tmp_path / "moe")
+    sequences = torch.tensor(bundled.prompts(2, 12))
+    routes = score(Stack("hf", "eager"), model_dir, sequences, routes=True)["routes"]
+    assert routes.shape == (2, 12, 2, 2)  # [B, T, layers, k]
+    with torch.no_grad():
+        logits = bundled.load("bfloat16", model_dir)(sequences, output_router_logits=True, use_cache=False).router_logits
+    expected = torch.stack([l.softmax(-1, dtype=torch.float).topk(2).indices for l in logits], dim=1).reshape(2, 12, 2, 2)
+    assert torch.equal(routes.sort(-1).values, expected.sort(-1).values)
+
+
+def test_mismatch_on_an_moe_model_reports_routing_per_row(tmp_path):
+    model_dir = _tiny_moe(tmp_path / "moe")
+    report = mismatch.measure(model_dir, trainer="hf-aot_eager:train", inference="hf-eager",
+                              rows=[("rla off", None, None)], prompts=2, prompt_tokens=8, new_tokens=4)
+    (row,) = report.rows
+    assert row.routing.pairs == 2 * 12 * 2 and 0 < row.routing.agreement <= 1 and len(row.routing.per_layer) == 2
+    assert "routing=" in report.table().splitlines()[0]
+    again = mismatch.MismatchReport.from_dict(json.loads(report.to_json()))
+    assert again.rows[0].routing == row.routing

@@ -493,6 +493,48 @@ def test_vllm_cpu_vec_form_is_the_kernel_bit_for_bit(threads):
 
 @pytestmark_vllm
 @pytest.mark.vllm
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paired_experts_are_vllms_fused_moe_kernel_bit_for_bit(threads):
+    """integrations.experts_vllm_cpu computes what vLLM-CPU's fused MoE kernel (`cpu_fused_moe`,
+    isa vec) computes, bit for bit: its expert GEMMs, gated SiLU and weighted sum, at a tiny
+    and a wider shape, top-1 and top-4, on 1 and 2 threads; the C form and its Python
+    reference agree; HF's own grouped_mm experts (bf16 GEMM outputs) do not: the check can fail."""
+    from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
+    from rla_compile.integrations import experts_vllm_cpu as paired
+
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("vLLM runs its AMX MoE kernel here")
+    before, hf_differs = torch.get_num_threads(), []
+    torch.set_num_threads(threads)
+    try:
+        for tokens, hidden, inter, experts, k in ((7, 64, 32, 4, 1), (37, 128, 64, 16, 4), (50, 256, 96, 8, 2)):
+            g = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, hidden, generator=g).bfloat16()
+            w13 = torch.randn(experts, 2 * inter, hidden, generator=g).mul(hidden ** -0.5).bfloat16()
+            w2 = torch.randn(experts, hidden, inter, generator=g).mul(inter ** -0.5).bfloat16()
+            probs, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(k)
+            weights = probs / probs.sum(-1, keepdim=True)
+            kernel = torch.empty_like(x)
+            cpu_fused_moe(kernel, x, cpu_prepack_moe_weight(w13, "vec"), cpu_prepack_moe_weight(w2, "vec"), None, None,
+                          weights.contiguous(), ids.to(torch.int32).contiguous(), "silu", "vec")
+            form = paired.forward_form(x, ids, weights, w13, w2)
+            assert torch.equal(form.view(torch.int16), kernel.view(torch.int16)), (tokens, hidden, inter, k)
+            if tokens < 40:
+                assert torch.equal(paired.forward_form(x, ids, weights, w13, w2, c=False), form)
+            act = torch.nn.functional.silu  # HF's grouped_mm experts: bf16 GEMM outputs, then the sites' fp32 math
+            hf = torch.zeros(tokens, hidden)
+            for j in range(k):
+                gate, up = torch.bmm(x[:, None], w13[ids[:, j]].transpose(1, 2))[:, 0].chunk(2, -1)
+                y = torch.bmm((act(gate.float()) * up.float()).bfloat16()[:, None], w2[ids[:, j]].transpose(1, 2))[:, 0]
+                hf += y.float() * weights[:, j, None]
+            hf_differs.append(not torch.equal(hf.bfloat16(), kernel))
+    finally:
+        torch.set_num_threads(before)
+    assert all(hf_differs)
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
 def test_attention_site_runs_the_fp32_kernel_where_vllm_would_run_amx(monkeypatch):
     """On an AMX CPU vLLM-CPU picks its `amx` attention kernel for bf16 (q and P in bf16 tiles);
     the attention site's engine hook makes it pick `vec` (the contract in fp32) there, and only

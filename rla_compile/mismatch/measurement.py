@@ -14,9 +14,9 @@ from ..machine import machine
 from ..progress import timed
 from ..report import GraphReport
 from .. import sites as registry
-from .metrics import compare_logprobs
+from .metrics import compare_logprobs, routing_agreement
 from .report import STAND_IN, MismatchReport, Row
-from .stacks import Stack, has_vllm, require_vllm, score
+from .stacks import ROUTES_IN_VLLM, Stack, has_vllm, require_vllm, score
 
 __all__ = ["TRAINER", "configurations", "default_stacks", "measure", "sample"]
 
@@ -112,12 +112,20 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
     scored = slice(prompt_tokens - 1, None)
     tokens = sequences[:, 1:][:, scored].reshape(-1)
     cache: dict[Stack, torch.Tensor] = {}
+    # an MoE model: each stack also says which experts its routers chose (HF stacks, prompt scoring)
+    routes = _has_experts(model_dir)
+    if routes and any(s.engine != "hf" or s.decode for s in stacks):
+        routes = False
+        notes.append(f"routing= is not measured: {ROUTES_IN_VLLM}")
+    chosen: dict[Stack, torch.Tensor] = {}
 
     def logprobs(stack: Stack) -> torch.Tensor:
         if stack not in cache:
             with timed(say, f"scoring with {stack.label}" + (" (engine start + compile)" if stack.engine == "vllm" else "")):
-                result = score(stack, model_dir, sequences, prompt_tokens=prompt_tokens)
+                result = score(stack, model_dir, sequences, prompt_tokens=prompt_tokens, routes=routes)
             cache[stack] = result["logprobs"][:, scored].reshape(-1, result["logprobs"].shape[-1])
+            if routes:
+                chosen[stack] = result["routes"]
             if stack.sites is not None:
                 reports = [GraphReport.from_dict(r) for r in result["reports"]]
                 report.sites[stack.label] = GraphReport("all", [s for r in reports for s in r.sites]).counts("rewritten")
@@ -131,5 +139,13 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
         lp_t, lp_i = logprobs(t), logprobs(i)
         metrics = compare_logprobs(lp_t, lp_i, tokens)
         delta = (lp_t.gather(-1, tokens[:, None]) - lp_i.gather(-1, tokens[:, None]))[:, 0].double()
-        report.rows.append(Row(label, t, i, metrics, delta.tolist()))
+        routing = routing_agreement(chosen[t], chosen[i]) if routes else None
+        report.rows.append(Row(label, t, i, metrics, delta.tolist(), routing))
     return report
+
+
+def _has_experts(model_dir: Path) -> bool:
+    from .. import bundled
+    from ..sites import router
+
+    return router.SITE.in_model(bundled.config_of(model_dir))  # a number of experts in its config

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-__all__ = ["Metrics", "compare_logprobs", "k3", "k3_rows", "ulp_distance"]
+__all__ = ["Metrics", "Routing", "compare_logprobs", "k3", "k3_rows", "routing_agreement", "ulp_distance"]
 
 
 def k3_rows(delta: torch.Tensor) -> torch.Tensor:
@@ -117,3 +117,31 @@ def compare_logprobs(train: torch.Tensor, infer: torch.Tensor, tokens: torch.Ten
         kl_full=float(kl_terms.sum(-1).mean()),
         bitwise_equal=equal,
     )
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How often two stacks' MoE routers choose the same experts. Per (token, MoE layer): the
+    share of the k experts both chose, the order within the k not compared; `agreement` is its
+    mean, `per_layer` its mean per layer, `all_k_agree` the share of (token, layer) pairs where
+    every one of the k agrees, over `pairs` such pairs."""
+    agreement: float
+    per_layer: list[float]
+    all_k_agree: float
+    pairs: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def routing_agreement(chosen, other) -> Routing:
+    """`chosen` and `other`: each sequence's expert ids, [T, layers, k] per sequence (a list, or
+    a [B, T, layers, k] tensor), the same sequences on both sides."""
+    shares = []
+    for a, b in zip(chosen, other, strict=True):
+        if a.shape != b.shape:
+            raise ValueError(f"expert ids of one sequence differ in shape: {list(a.shape)} vs {list(b.shape)}")
+        shares.append((a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).double().mean(-1))  # [T, layers]
+    every = torch.cat(shares)
+    return Routing(float(every.mean()), [float(x) for x in every.mean(0)], float((every == 1).double().mean()),
+                   every.numel())

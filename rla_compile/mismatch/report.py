@@ -12,7 +12,7 @@ import torch
 
 from ..machine import describe
 from .. import sites as registry
-from .metrics import Metrics, k3_rows
+from .metrics import Metrics, Routing, k3_rows
 from .stacks import Stack
 
 __all__ = ["MismatchReport", "Row", "change_interval", "legend", "STAND_IN"]
@@ -45,15 +45,18 @@ class Row:
     inference: Stack
     metrics: Metrics
     delta: list[float]  # log π - log μ per scored token, sequence by sequence, for plots and intervals
+    routing: Routing | None = None  # an MoE model: how often the two stacks' routers chose the same experts
 
     def to_dict(self) -> dict:
         return {"label": self.label, "trainer": self.trainer.label, "inference": self.inference.label,
-                "metrics": self.metrics.to_dict(), "delta": self.delta}
+                "metrics": self.metrics.to_dict(), "delta": self.delta,
+                "routing": self.routing.to_dict() if self.routing else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Row":
+        routing = data.get("routing")
         return cls(data["label"], Stack.parse(data["trainer"]), Stack.parse(data["inference"]),
-                   Metrics(**data["metrics"]), data["delta"])
+                   Metrics(**data["metrics"]), data["delta"], Routing(**routing) if routing else None)
 
 
 def _mean_abs(delta: torch.Tensor) -> torch.Tensor:
@@ -134,12 +137,15 @@ class MismatchReport:
 
     def table(self) -> str:
         width = max(len("configuration"), *(len(r.label) for r in self.rows)) + 2
+        routed = any(r.routing for r in self.rows)
         head = f"{'configuration':<{width}}" + "".join(f"{title:>11}" for _, title in Metrics.COLUMNS)
-        lines = [head]
+        lines = [head + (f"{'routing=':>11}" if routed else "")]
         for row in self.rows:
             m = row.metrics
             cells = [f"{getattr(m, name):>11.1%}" if name == "bitwise_equal" else f"{getattr(m, name):>11.3e}"
                      for name, _ in Metrics.COLUMNS]
+            if routed:
+                cells.append(f"{row.routing.agreement:>11.3%}" if row.routing else f"{'—':>11}")
             lines.append(f"{row.label:<{width}}" + "".join(cells))
         changes = {metric: self.changes(metric) for metric in INTERVAL_METRICS}
         if changes["k3"]:
@@ -153,6 +159,10 @@ class MismatchReport:
         if self.machine:
             lines.append(f"machine: {describe(self.machine)} (the digits depend on its kernels)")
         lines += [f"note: {n}" for n in self.notes]
+        if routed:
+            lines += ["", "routing= (an MoE model): per (token, MoE layer), the share of the k experts both stacks' routers "
+                          "chose, over every position of the sequences; per MoE layer, first to last:"]
+            lines += [f"  {r.label:<{width}}" + " ".join(f"{x:.3%}" for x in r.routing.per_layer) for r in self.rows if r.routing]
         lines += ["", legend()]
         return "\n".join(lines)
 

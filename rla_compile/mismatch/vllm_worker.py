@@ -111,42 +111,6 @@ def decode_logprobs(llm, sequences: list[list[int]], prompt_tokens: int) -> torc
     return logprobs
 
 
-def routed_experts(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence's expert ids as the engine's routers chose them, [T, MoE layers, k]: vLLM's
-    own capture hook on each MoE layer's router (`BaseRouter.set_capture_fn`, which sees the ids
-    a layer's experts get), one prompt-scoring pass per sequence so that a forward holds one
-    sequence's tokens. An engine with no MoE layer returns no ids (an empty list)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.model_executor.layers.fused_moe.layer import MoERunner
-
-    calls: list[tuple[int, torch.Tensor]] = []
-
-    def routers(model) -> list:  # in layer order, as vLLM's own routed-experts capturer finds them
-        return [m.router for m in model.modules() if isinstance(m, MoERunner)]
-
-    def attach(model) -> int:
-        for layer, router in enumerate(routers(model)):
-            router.set_capture_fn(lambda ids, layer=layer: calls.append((layer, ids.detach().to("cpu", copy=True))))
-        return len(routers(model))
-
-    (layers,) = llm.apply_model(attach)  # the engine runs in this process (V1 multiprocessing off)
-    if not layers:
-        return []
-    params = SamplingParams(max_tokens=1, detokenize=False, temperature=1.0)
-    routed = []
-    for sequence in sequences:
-        calls.clear()
-        llm.generate([TokensPrompt(prompt_token_ids=sequence)], params, use_tqdm=False)
-        per_layer = [torch.cat([ids for layer, ids in calls if layer == i]) for i in range(layers)]
-        if any(ids.shape[0] < len(sequence) for ids in per_layer):
-            raise RuntimeError(f"the routers saw {[ids.shape[0] for ids in per_layer]} tokens of a "
-                               f"{len(sequence)}-token sequence")
-        routed.append(torch.stack([ids[:len(sequence)] for ids in per_layer], dim=1).long())
-    llm.apply_model(lambda model: [router.set_capture_fn(None) for router in routers(model)])
-    return routed
-
-
 def reports(config) -> list[dict]:
     return [r.to_dict() for r in config["inductor_compile_config"]["post_grad_custom_post_pass"].reports] if config else []
 
@@ -158,8 +122,7 @@ def main(request_path: str) -> None:
         logprobs = decode_logprobs(llm, request["sequences"], request["decode_after"])
     else:
         logprobs = prompt_logprobs(llm, request["sequences"])
-    routes = routed_experts(llm, request["sequences"]) if request.get("routes") else None
-    torch.save({"logprobs": logprobs, "reports": reports(config), "routes": routes}, request["out"])
+    torch.save({"logprobs": logprobs, "reports": reports(config)}, request["out"])
 
 
 if __name__ == "__main__":

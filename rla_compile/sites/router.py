@@ -36,9 +36,10 @@ MAX_EXPERTS = 1024
 _LINEAR_OPS = ("linear", "addmm", "mm", "matmul")
 _SCORE_OPS = ("softmax", "_softmax", "sigmoid")
 # ops an expert id reaches when it picks experts (dispatch): histograms and sorts of ids, one-hot
-# masks, grouped matmuls over the stacked experts, accumulation into the tokens' rows
+# masks, grouped matmuls over the stacked experts, accumulation into the tokens' rows; rla's own
+# experts paired with vLLM-CPU's fused MoE kernel (integrations.experts_vllm_cpu), one opaque op
 _DISPATCH_OPS = ("one_hot", "histc", "bincount", "sort", "argsort", "_grouped_mm", "grouped_mm", "index_add",
-                 "index_add_", "scatter_add", "scatter_add_", "scatter_reduce")
+                 "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "vllm_cpu_experts")
 
 
 def chooses_experts(indices: Node, limit: int = 64) -> bool:

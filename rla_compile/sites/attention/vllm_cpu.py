@@ -36,7 +36,7 @@ the contract's form; the report says so). The backward is the contract's: autogr
 over P recomputed as the contract computes it (`_contract_backward`), so gradients equal the
 contract site's.
 
-The forward runs as C (`sites/attention/csrc/vllm_cpu_vec.c`, built on first use by `native`, with no FMA
+The forward runs as C (`csrc/vllm_cpu_vec.c`, built on first use by `native`, with no FMA
 contraction and no reassociation), checked bit for bit against the Python form here
 (`_one_request`, the reference: one ATen op per head-dimension step and per key). Without a C
 compiler the Python form runs, and rla's logger says so once. Cost: docs/performance.md.
@@ -49,7 +49,7 @@ import math
 
 import torch
 
-from . import native
+from ... import native
 from .chunked import safe_softmax
 
 __all__ = ["attention", "kv_tile", "variant", "implementation"]
@@ -289,7 +289,7 @@ def _warn_once(reason: str) -> None:
 
 
 def _one_request_c(q, k, v, bias, fused: bool, threads: int, l2: int):
-    """`_one_request` in C (sites/attention/csrc/vllm_cpu_vec.c): the same operations in the same order."""
+    """`_one_request` in C (csrc/vllm_cpu_vec.c): the same operations in the same order."""
     heads, tokens, dim = q.shape
     q, k, v = (t.contiguous() for t in (q, k, v))
     bias = None if bias is None else bias.contiguous()

@@ -1,11 +1,11 @@
-"""C code rla ships as source (`rla_compile/sites/attention/csrc/`), built once per source and compiler
+"""C code rla ships as source (`rla_compile/csrc/`), built once per source and compiler
 flags with the machine's C compiler and loaded with ctypes: no torch headers, so a build
 takes about a second. The shared objects are cached in `$RLA_CACHE_DIR` (default
 `~/.cache/rla_compile`), named by a hash of the source, the flags and the compiler.
 
-Used by the attention site's engine-paired form (`sites/attention/vllm_cpu.py`), whose
-floating-point order must be exactly the one written: hence `-ffp-contract=off` and no
-`-ffast-math`. Where no compiler is found, `load` raises `NativeUnavailable` saying what is
+Used by the engine-paired forms (the attention site's `sites/attention/vllm_cpu.py`, the MoE
+experts' `experts_vllm_cpu.py`), whose floating-point order must be exactly the one written:
+hence `-ffp-contract=off` and no `-ffast-math` (a fused multiply-add is written as `fmaf`). Where no compiler is found, `load` raises `NativeUnavailable` saying what is
 missing; callers fall back to their Python form and say so.
 """
 

@@ -1,6 +1,8 @@
-/* The attention site's engine-paired form (rla_compile/sites/attention/vllm_cpu.py) in C:
- * the fp32 operations of vLLM-CPU's `vec` attention kernel, in its order, one request at a
- * time. Built by rla_compile/sites/attention/native.py with -ffp-contract=off and without
+/* The engine-paired forms in C: the fp32 operations of vLLM-CPU's `vec` kernels, in their order.
+ * Attention (rla_compile/sites/attention/vllm_cpu.py): one request at a time. The MoE experts
+ * (rla_compile/integrations/experts_vllm_cpu.py, at the end of this file): the expert GEMMs,
+ * the gated SiLU and the weighted sum of the fused MoE kernel.
+ * Built by rla_compile/native.py with -ffp-contract=off and without
  * -ffast-math, so that every `a * b + c` below is a multiply and an add, each rounded, and
  * fmaf() is the one fused multiply-add; expf() is the C library's, which the kernel's AVX2
  * build calls too. Vectorising the loops (over keys, over the value dimension) keeps each
@@ -132,4 +134,46 @@ int rla_vllm_cpu_vec_attention(const float *q, const float *k, const float *v, c
     }
     free(kt), free(s), free(p), free(acc);
     return 0;
+}
+
+/* ---- MoE experts: cpu_fused_moe.cpp (isa vec), checked against its Python form in
+ * experts_vllm_cpu.py and against vLLM's kernel (tests/test_vllm.py) bit for bit ---- */
+
+/* out[m, n] = a[m, :] . w[:, n] with w given transposed, wt [k, n]: each element one chain of
+ * fused multiply-adds over k from 0 (the micro GEMM's c = c + a * b, contracted). */
+void rla_vllm_cpu_moe_gemm(const float *a, const float *wt, int64_t m, int64_t n, int64_t k, float *out) {
+    for (int64_t i = 0; i < m; i++) {
+        float *oi = out + i * n;
+        for (int64_t j = 0; j < n; j++) oi[j] = 0.0f;
+        for (int64_t kk = 0; kk < k; kk++) {
+            const float aik = a[i * k + kk], *wk = wt + kk * n;
+            for (int64_t j = 0; j < n; j++) oi[j] = fmaf(aik, wk[j], oi[j]);
+        }
+    }
+}
+
+/* silu_and_mul: gate_up [m, 2 * inter] (gate, then up) -> out [m, inter], fp32 (the caller
+ * rounds it to the model dtype, as the kernel stores it): up * (gate * 1 / (1 + exp(-gate))). */
+void rla_vllm_cpu_moe_silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
+    for (int64_t i = 0; i < m; i++) {
+        const float *g = gate_up + i * 2 * inter, *u = g + inter;
+        for (int64_t j = 0; j < inter; j++) {
+            const float sigmoid = 1.0f / (1.0f + fast_expf(-g[j]));
+            out[i * inter + j] = u[j] * (g[j] * sigmoid);
+        }
+    }
+}
+
+/* The weighted sum: y [tokens, topk, hidden] (the down GEMM's fp32 outputs, slot order),
+ * weights [tokens, topk] -> out [tokens, hidden] fp32 (rounded once by the caller):
+ * w0 * y0, then fma(y_j, w_j, acc) for each later slot. */
+void rla_vllm_cpu_moe_combine(const float *y, const float *w, int64_t tokens, int64_t topk, int64_t hidden,
+                              float *out) {
+    for (int64_t t = 0; t < tokens; t++) {
+        float *ot = out + t * hidden;
+        const float *yt = y + t * topk * hidden, *wt = w + t * topk;
+        for (int64_t e = 0; e < hidden; e++) ot[e] = yt[e] * wt[0];
+        for (int64_t j = 1; j < topk; j++)
+            for (int64_t e = 0; e < hidden; e++) ot[e] = fmaf(yt[j * hidden + e], wt[j], ot[e]);
+    }
 }
