@@ -18,7 +18,9 @@ plus the MoE sites (`router`, `expert_combine`) on the trainer only, and on both
 half of the router: its gate and softmax routing in fp32, `integrations.vllm.route_in_fp32`;
 its fused kernel computes the experts and their weighted sum in its own fp32 order); the
 router on both sides with the trainer's experts paired with that kernel
-(`integrations.experts_vllm_cpu.pair_experts`: its GEMM order, fast-exp SiLU and weighted sum);
+(`integrations.experts_vllm_cpu.pair_experts`: its GEMM order, fast-exp SiLU and weighted sum),
+and the same with `expert_combine` on the trainer too (which feeds the paired experts the
+router's weights in fp32, as vLLM's router feeds its kernel);
 and an fp32 trainer against stock vLLM (the floor a trainer-only change cannot go below).
 
 Per configuration: the share of prompt logprobs bitwise equal and the mean |Δlogprob|; and how
@@ -59,6 +61,7 @@ CONFIGS = (
     ("paired sites + MoE sites, trainer only", PAIRED + MOE, PAIRED, "bfloat16", False),
     ("paired sites + MoE sites, both sides", PAIRED + MOE, PAIRED + MOE, "bfloat16", False),
     ("paired sites + router, experts paired, both sides", PAIRED + MOE[:1], PAIRED + MOE, "bfloat16", True),
+    ("paired sites + MoE sites, experts paired, both sides", PAIRED + MOE, PAIRED + MOE, "bfloat16", True),
     ("fp32 trainer, engine stock", None, None, "float32", False),
 )
 

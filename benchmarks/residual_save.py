@@ -20,10 +20,8 @@ import torch
 import rla_compile
 from rla_compile import rewriter
 
-from . import common
 from .common import SIZES, ratio_cell, write
-from .memory import saved_bytes
-from .upcasts_before_after import QWEN3_WIDTH, measure_alternatives
+from .upcasts_before_after import measure_alternatives
 
 VARIANTS = {
     "inductor": lambda: "inductor",
@@ -35,18 +33,10 @@ COMPILING = {"rla (stream recomputed)": lambda: mock.patch.object(rewriter, "mar
 
 def compare(size: str, reps: int, device: str = "cpu") -> dict:
     """Both rla variants and plain Inductor at one size: training step times (runtime.measure)
-    and the bytes each saves for the backward."""
-    from torch._inductor import config as inductor_config
-
-    saved = {}
-    with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH}), \
-            inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):  # the rla variants share a key
-        for name, make in VARIANTS.items():
-            with COMPILING.get(name, mock.MagicMock)():
-                saved[name] = saved_bytes(size, make(), device)
-    result = measure_alternatives(size, "training", reps, VARIANTS, COMPILING, device)
+    and the bytes each saves for the backward, on the same compiled models."""
+    result = measure_alternatives(size, "training", reps, VARIANTS, COMPILING, device, saved=True)
     torch._dynamo.reset()
-    result["saved_bytes"] = saved
+    saved = result["saved_bytes"]
     result["saved_ratio_vs_inductor"] = {n: b / saved["inductor"] for n, b in saved.items()}
     return result
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .common import SIZES, VARIANTS, fresh_process_runs, model_and_tokens, train_step, write
+from .common import SIZES, VARIANTS, fresh_process_runs, model_and_tokens, saved_bytes_of, train_step, write
 
 
 def _sync(device: str) -> None:
@@ -27,33 +27,35 @@ def _sync(device: str) -> None:
 
 
 def _workload(size: str, mode: str, backend, device: str = "cpu"):
+    """The step to time and, in training, a forward that returns the loss (for the bytes saved
+    for the backward, `common.saved_bytes_of`), both on one compiled model."""
     model, ids = model_and_tokens(size, device)
     compiled = torch.compile(model, backend=backend)
     if mode == "training":
-        return train_step(compiled, model, ids)
+        return train_step(compiled, model, ids), lambda: compiled(ids, labels=ids, use_cache=False).loss
 
     def step():
         with torch.no_grad():
             compiled(ids, use_cache=False)
 
-    return step
+    return step, None
 
 
 def measure(size: str, mode: str, reps: int, warmup: int = 2, device: str = "cpu", variants=None,
-            compiling=None) -> dict:
+            compiling=None, saved: bool = False) -> dict:
     """`variants`: name -> backend factory (default: `common.VARIANTS`, "inductor" first);
-    `compiling`: name -> a context manager factory held while that variant compiles."""
+    `compiling`: name -> a context manager factory held while that variant compiles; `saved`
+    (training): also the bytes each variant saves for the backward, on the model it times."""
     variants = variants or VARIANTS
-    steps = {}
+    steps, losses = {}, {}
+    torch._dynamo.reset()
     for name, make in variants.items():
-        torch._dynamo.reset()
-        steps[name] = _workload(size, mode, make(), device)
+        # no reset between variants: each backend keeps its own compiled code (Dynamo's cache
+        # entries are per backend), so each variant compiles once
+        steps[name], losses[name] = _workload(size, mode, make(), device)
         with (compiling or {}).get(name, contextlib.nullcontext)():
             for _ in range(warmup):  # the first call compiles (forward and backward)
                 steps[name]()
-    for name, step in steps.items():  # each reset above dropped the earlier variants' compiled
-        with (compiling or {}).get(name, contextlib.nullcontext)():  # code: they recompile here, untimed
-            step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(reps):  # alternate, so load on the machine hits every variant alike
         for name, step in steps.items():
@@ -67,9 +69,14 @@ def measure(size: str, mode: str, reps: int, warmup: int = 2, device: str = "cpu
     # its quartiles over the rounds.
     rounds = {name: sorted(a / b for a, b in zip(t, times["inductor"])) for name, t in times.items()}
     spread = {name: [_quantile(r, 0.25), _quantile(r, 0.75)] for name, r in rounds.items()}
-    return {"size": size, "mode": mode, "reps": reps, "median_s": medians, "times_s": times,
-            "ratio_vs_inductor": {name: medians[name] / medians["inductor"] for name in medians},
-            "round_ratio_quartiles": spread}
+    result = {"size": size, "mode": mode, "reps": reps, "median_s": medians, "times_s": times,
+              "ratio_vs_inductor": {name: medians[name] / medians["inductor"] for name in medians},
+              "round_ratio_quartiles": spread}
+    if saved:
+        if mode != "training":
+            raise ValueError("saved bytes are those of a training step: pass mode='training'")
+        result["saved_bytes"] = {name: saved_bytes_of(loss) for name, loss in losses.items()}
+    return result
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -90,14 +90,15 @@ COMPILING = {"rla (bf16 copy)": lambda: _instead_of_aten_upcasts(_through_bf16_c
              "rla (prims fallback)": lambda: _instead_of_aten_upcasts(_prims_fallback)}
 
 
-def measure_alternatives(size: str, mode: str, reps: int, variants: dict, compiling: dict, device: str = "cpu") -> dict:
+def measure_alternatives(size: str, mode: str, reps: int, variants: dict, compiling: dict, device: str = "cpu",
+                         saved: bool = False) -> dict:
     """`runtime.measure` of variants that share rla's cache key (caches off), at the sizes of
-    `runtime.py` or "qwen3-width"."""
+    `runtime.py` or "qwen3-width" ("saved": runtime.measure's)."""
     from torch._inductor import config as inductor_config
 
     with mock.patch.dict(common.SIZES, {"qwen3-width": QWEN3_WIDTH, "qwen3-host": QWEN3_HOST}), \
             inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False):
-        return measure(size, mode, reps, device=device, variants=variants, compiling=compiling)
+        return measure(size, mode, reps, device=device, variants=variants, compiling=compiling, saved=saved)
 
 
 def main(argv=None) -> list[dict]:

@@ -38,11 +38,15 @@ from rla_compile.integrations import experts_vllm_cpu  # noqa: E402
 
 assert experts_vllm_cpu.pair_experts(model) == layers
 torch._dynamo.reset()
-backend = rla_compile.Backend(compiler="aot_eager", sites=[*rla_compile.DEFAULT_SITES, "router"])
+backend = rla_compile.Backend(compiler="aot_eager", sites=[*rla_compile.DEFAULT_SITES, "router", "expert_combine"])
 loss = torch.compile(model, backend=backend)(ids, labels=ids).loss
 loss.backward()
 experts_grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
 assert experts_grad is not None and experts_grad.abs().sum() > 0  # the paired form's backward reached the weights
 routers = sum(r.count("router", "rewritten") for r in backend.reports)
 assert routers == layers, routers
-print(f"paired experts: one training step, loss {loss.item():.4f}; {routers} routers aligned in fp32")
+# the combine is the kernel's; the site hands it the router's weights unrounded, as vLLM's router does
+paired = [s.variant for r in backend.reports for s in r.sites if s.kind == "expert_combine" and s.status == "rewritten"]
+assert paired == ["paired with vLLM-CPU's fused MoE kernel, weights read in fp32"] * layers, paired
+print(f"paired experts: one training step, loss {loss.item():.4f}; {routers} routers aligned in fp32, "
+      f"their weights read unrounded by the paired experts")

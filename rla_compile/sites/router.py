@@ -207,8 +207,8 @@ SITE = Site(
     kind=RouterMatcher.kind,
     matcher=RouterMatcher(),
     summary="the MoE router's logits, scores, top-k and weights in fp32",
-    opt_in="vLLM's fused MoE kernel computes the experts and their sum in its own fp32 order, which the trainer is "
-           "not paired with yet; the router alone moves the trainer's choice of experts away from a stock vLLM's "
+    opt_in="vLLM routes from a bf16 gate; with this site its engine half (route_in_fp32) routes as the contract "
+           "does, while on the trainer alone it moves the choice of experts away from a stock vLLM's "
            "(docs/contract.md#mixture-of-experts-opt-in)",
     config_keys=EXPERT_COUNTS,
     engine_hooks=("route_in_fp32",),  # vLLM-CPU's gate and softmax routing in fp32 (integrations.vllm)
