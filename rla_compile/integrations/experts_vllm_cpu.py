@@ -50,7 +50,7 @@ import torch
 from .. import native
 from ..sites.attention.vllm_cpu import _fast_expf, _fma32, output_rounding
 
-__all__ = ["NAME", "pair_experts", "forward_form", "fp32_form", "fp32_form_backward"]
+__all__ = ["NAME", "has_experts", "pair_experts", "forward_form", "fp32_form", "fp32_form_backward"]
 
 NAME = "rla_vllm_cpu"  # the experts implementation's name in transformers' ExpertsInterface
 SILU = ("silu", "swish")
@@ -238,6 +238,15 @@ def _unsupported(module) -> str | None:
     return None
 
 
+def _experts(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "has_gate")]
+
+
+def has_experts(model) -> bool:
+    """Whether `model` has experts modules transformers can switch (`set_experts_implementation`)."""
+    return bool(_experts(model)) and hasattr(model, "set_experts_implementation")
+
+
 def pair_experts(model) -> int:
     """Switch every experts module of the HF MoE `model` to the form paired with vLLM-CPU's
     fused MoE kernel (transformers' `set_experts_implementation`, before compiling); returns how
@@ -245,10 +254,14 @@ def pair_experts(model) -> int:
     form does not support (what it found is in the message)."""
     from transformers.integrations.moe import ExpertsInterface
 
-    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "has_gate")]
-    if not experts or not hasattr(model, "set_experts_implementation"):
+    if not has_experts(model):
         raise ValueError(f"{type(model).__name__} has no experts module with transformers' switchable implementation "
                          "(`use_experts_implementation`): nothing to pair")
+    if torch.cpu._is_amx_tile_supported():
+        raise ValueError("this CPU has AMX tiles: vLLM-CPU runs its fused MoE kernel's `amx` form here, whose order "
+                         "the paired form does not compute (it computes the `vec` form's); leave the experts as they "
+                         "are (the swiglu and expert_combine sites keep them in the contract's fp32 form)")
+    experts = _experts(model)
     problems = {p for m in experts if (p := _unsupported(m))}
     if problems:
         raise ValueError("; ".join(sorted(problems)))

@@ -136,6 +136,9 @@ class RlaCallback(_callback_base()):
         if model is None:
             raise RuntimeError("RlaCallback: the Trainer passed no model to on_train_begin")
         options = paired_with_engine(self.options, args)
+        for site in registry.selected(options.sites):
+            for hook in site.policy_hooks:
+                POLICY_HOOKS[hook](_unwrap(model), args)
         self.backend = compile_policy(_unwrap(model), options)
         if getattr(args, "use_vllm", False):
             self._positions = positions_from_mask(_unwrap(model))
@@ -206,6 +209,41 @@ def paired_with_engine(options: Options, args: Any) -> Options:
     return dataclasses.replace(options, rounding=rounding)
 
 
+def pair_experts_with_engine(model, args: Any) -> int:
+    """The `expert_combine` site's policy hook: when the trainer samples from a colocated vLLM
+    engine on CPU (`args.use_vllm`, vllm_mode "colocate"), the policy's MoE experts compute that
+    engine's fused MoE kernel (`experts_vllm_cpu.pair_experts`: its GEMM order, SiLU and weighted
+    sum, forward bit for bit; backward the fp32 form's gradient), as its attention is paired
+    with the engine's attention kernel. Returns how many experts modules were paired: 0 for a
+    dense model, an engine elsewhere (a server: said as a warning), or a GPU engine, whose fused
+    MoE kernel is not paired (the site's fp32 contract form runs)."""
+    if not getattr(args, "use_vllm", False):
+        return 0
+    from . import experts_vllm_cpu
+
+    if not experts_vllm_cpu.has_experts(model):
+        return 0
+    if getattr(args, "vllm_mode", "colocate") != "colocate":
+        log.warning("rla: the trainer samples from a vLLM server (vllm_mode=%r): its experts are not paired with the "
+                    "server's fused MoE kernel; on a vLLM-CPU server call "
+                    "rla_compile.integrations.experts_vllm_cpu.pair_experts(model) before training",
+                    getattr(args, "vllm_mode", None))
+        return 0
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        log.info("rla: vLLM runs on %s: the policy's experts keep the contract's fp32 form (only vLLM-CPU's fused "
+                 "MoE kernel is paired)", current_platform.device_name)
+        return 0
+    paired = experts_vllm_cpu.pair_experts(model)
+    log.info("rla: the policy's %d experts modules compute vLLM-CPU's fused MoE kernel (pair_experts)", paired)
+    return paired
+
+
+# The hooks a site may run on the trained model when training starts (`Site.policy_hooks`).
+POLICY_HOOKS = {"pair_experts_with_engine": pair_experts_with_engine}
+
+
 def _unwrap(model):
     # DDP / FSDP1 wrappers forward to `.module`; in-place compilation belongs on the model itself
     while hasattr(model, "module") and not hasattr(model, "config"):
@@ -239,7 +277,10 @@ def fix_weight_sync() -> bool:
     'weight_loader'`. vLLM's in-place `model_runner.reload_weights(weights_iterator=...,
     is_checkpoint_format=True)` loads checkpoint-format weights and repacks them again; after
     `llm.reset_prefix_cache()` (TRL's own last step) the engine samples from the trainer's
-    weights. Only the CPU platform repacks, so only there is `VLLMGeneration.sync_weights`
+    weights. An MoE model's expert weights are packed again after the reload
+    (`integrations.vllm.repack_moe_experts`: vLLM-CPU packs them only when its kernel is first
+    set up, and without this the engine's experts read the reloaded weights in the wrong
+    layout). Only the CPU platform repacks, so only there is `VLLMGeneration.sync_weights`
     replaced (colocate mode; server mode is TRL's own code). The parameters are TRL's own
     iterator (`_iter_named_params`: names, FSDP / DeepSpeed gathering and PEFT merging as TRL
     does them)."""
@@ -254,6 +295,8 @@ def fix_weight_sync() -> bool:
     except ImportError:  # no TRL: no TRL weight sync to fix
         return False
 
+    from .vllm import repack_moe_experts
+
     original = patching.original(VLLMGeneration, "sync_weights")
 
     @functools.wraps(original)
@@ -265,6 +308,7 @@ def fix_weight_sync() -> bool:
             self._llm_weights_sleeping = False
         runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
         runner.reload_weights(weights_iterator=self._iter_named_params(), is_checkpoint_format=True)
+        repack_moe_experts(runner.model)
         self.llm.reset_prefix_cache()
 
     patching.patch(VLLMGeneration, "sync_weights", sync_weights)

@@ -465,6 +465,30 @@ def route_in_fp32() -> None:
     patching.patch(cpu_router.CPURouter, "_compute_routing", _compute_routing)
 
 
+def repack_moe_experts(model) -> int:
+    """Pack the MoE expert weights of a vLLM-CPU `model` for its fused MoE kernel again, after an
+    in-place reload (`model_runner.reload_weights`, as RL weight syncs do); returns how many MoE
+    layers were packed.
+
+    Why: vLLM-CPU (0.32) packs each MoE layer's expert weights once, while the kernel is set up
+    (`CPUUnquantizedExperts.process_weights_after_loading`); on a weight update vLLM copies the
+    reloaded weights in but sets the kernel up only on the first call, so they stay in the
+    checkpoint's layout while the kernel reads them as packed. Measured on a tiny Qwen3-MoE:
+    reloading the very weights it was loaded with moved its prompt logprobs by up to 0.07; packed
+    again, by 0 (`tests/test_vllm.py`). Dense models, and other engines and kernels, are left as
+    they are."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    packed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(getattr(kernel, "impl", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)  # pads and packs (zentorch: a no-op)
+            packed += 1
+    return packed
+
+
 def _engine_selects(hook: str) -> bool:
     """Whether the engine vLLM is building now aligns a site that asks for `hook`."""
     from vllm.config import get_current_vllm_config_or_none

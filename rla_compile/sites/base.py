@@ -74,7 +74,9 @@ class Site:
     of their own (lowering.py). `engine_overrides` / `engine_env`: the `hf_overrides` and the
     environment a vLLM engine needs for its half of the site; `engine_hooks` / `trainer_hooks`:
     hooks, by name, that the vLLM / TRL integrations run when the site is selected (each
-    integration maps every name to its implementation; a test checks that none is missing).
+    integration maps every name to its implementation; a test checks that none is missing);
+    `policy_hooks`: hooks, by name, that the TRL integration runs on the trained model itself
+    when training starts, with the trainer's arguments (`integrations.trl.POLICY_HOOKS`).
     `engine_rounding`: for a site whose engine half is a kernel of the engine's own, the probe
     (`integrations.vllm_kernels.ROUNDING_PROBES`) that measures how that kernel rounds its
     output; the trainer's site is paired with it (`paired_rounding`, option `rounding`).
@@ -96,6 +98,7 @@ class Site:
     engine_env: Mapping[str, str] = field(default_factory=dict)
     engine_hooks: tuple[str, ...] = ()
     trainer_hooks: tuple[str, ...] = ()
+    policy_hooks: tuple[str, ...] = ()
     engine_rounding: str = ""
     engine_forms: Mapping[str, str] = field(default_factory=dict)
     config_keys: tuple[str, ...] = ()

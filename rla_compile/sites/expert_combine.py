@@ -173,4 +173,5 @@ SITE = Site(
            "with its experts paired (integrations.experts_vllm_cpu), which this site feeds the router's fp32 "
            "weights (docs/contract.md#mixture-of-experts-opt-in)",
     config_keys=EXPERT_COUNTS,
+    policy_hooks=("pair_experts_with_engine",),  # a TRL policy sampling from colocated vLLM-CPU (integrations.trl)
 )
