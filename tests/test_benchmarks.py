@@ -49,6 +49,21 @@ def test_runtime_smoke(tmp_path):
 
 
 @pytest.mark.bench
+def test_moe_cost_smoke(tmp_path):
+    """The paired experts' variant and the MoE sites' at the smallest MoE shape; ratios to both
+    plain Inductor runs."""
+    done = _run("moe_cost", "--layers", "1", "--tokens", "8", "--experts", "8", "--reps", "2", "--modes", "inference",
+                "--paired", "--json", "m.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "m.json").read_text())["results"]
+    names = ["inductor", "rla, MoE sites", "rla, every site, experts paired", "inductor again"]
+    assert list(result["median_s"]) == names and result["shape"]["num_experts"] == 8
+    again = result["median_s"]["inductor again"]
+    assert all(result["ratio_vs_inductor_again"][n] == result["median_s"][n] / again for n in names)
+    assert "rla, every site, experts paired" in done.stdout.splitlines()[1]
+
+
+@pytest.mark.bench
 def test_upcasts_before_after_smoke(tmp_path):
     done = _run("upcasts_before_after", "--sizes", "small", "--modes", "inference", "--reps", "1", "--json", "u.json",
                 cwd=tmp_path)
