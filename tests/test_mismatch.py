@@ -148,8 +148,10 @@ def test_ulp_distance_by_hand():
 
 def test_stack_labels_round_trip_and_bad_specs_say_what_to_write():
     for text in ("hf-inductor+rla:train", "hf-aot_eager", "vllm-inductor+rla[rope,swiglu]", "hf-eager:float32",
-                 "vllm-inductor+rla:decode", "vllm-eager:float32:decode"):
+                 "vllm-inductor+rla:decode", "vllm-eager:float32:decode", "hf-inductor+rla[router]:train:experts_paired"):
         assert Stack.parse(text).label == text
+    with pytest.raises(ValueError, match="only engine 'hf' has them to pair"):
+        Stack.parse("vllm-inductor:experts_paired")
     assert Stack.parse("vllm-inductor:decode").decode and not Stack.parse("vllm-inductor").decode
     with pytest.raises(ValueError, match="only engine 'vllm' has them"):
         Stack.parse("hf-inductor:decode")
@@ -292,6 +294,30 @@ def test_routes_are_the_experts_the_router_logits_choose(tmp_path):
         logits = bundled.load("bfloat16", model_dir)(sequences, output_router_logits=True, use_cache=False).router_logits
     expected = torch.stack([l.softmax(-1, dtype=torch.float).topk(2).indices for l in logits], dim=1).reshape(2, 12, 2, 2)
     assert torch.equal(routes.sort(-1).values, expected.sort(-1).values)
+
+
+def test_a_trainer_against_vllm_pairs_its_experts_where_expert_combine_asks(tmp_path):
+    """`Stack.paired`: an HF stack with `expert_combine` compared with vLLM gets `experts_paired`
+    (as TRL's policy hook pairs a policy); scored, its experts are vLLM-CPU's kernel's form:
+    the logprobs equal the model with `pair_experts` run by hand, and differ from HF's experts."""
+    from rla_compile.integrations import experts_vllm_cpu
+
+    vllm = Stack.parse("vllm-inductor")
+    assert not Stack.parse("hf-aot_eager+rla[router]").paired(vllm).experts_paired
+    assert not Stack.parse("hf-aot_eager+rla[expert_combine]").paired(Stack.parse("hf-eager")).experts_paired
+    paired = Stack.parse("hf-aot_eager+rla[expert_combine]").paired(vllm)
+    assert paired.experts_paired and paired.label.endswith(":experts_paired")
+    model_dir = _tiny_moe(tmp_path / "moe")
+    sequences = torch.tensor(bundled.prompts(2, 12))
+    got = score(Stack.parse("hf-eager:experts_paired"), model_dir, sequences)["logprobs"]
+    model = bundled.load("bfloat16", model_dir)
+    experts_vllm_cpu.pair_experts(model)
+    with torch.no_grad():
+        want = torch.log_softmax(model(sequences, use_cache=False).logits[:, :-1].float(), -1)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, score(Stack.parse("hf-eager"), model_dir, sequences)["logprobs"])
+    dense = score(Stack.parse("hf-eager:experts_paired"), bundled.MODEL_DIR, sequences)["logprobs"]  # nothing to pair
+    assert torch.equal(dense, score(Stack.parse("hf-eager"), bundled.MODEL_DIR, sequences)["logprobs"])
 
 
 def test_mismatch_on_an_moe_model_reports_routing_per_row(tmp_path):

