@@ -45,17 +45,14 @@ def _install(record: list, hook=None) -> None:
     BaseModelLoader.load_model = load_model
 
 
-def _hook(model, record: list) -> None:
-    """Forward (pre-)hooks that append (name, kind, tensor) to `record`, cloned: eager vLLM
-    normalises and rotates in place.
-
-    The hooks inside the decoder (the module vLLM compiles) write to a list of their own, which
-    a hook on the whole model moves into `record` after each forward: Dynamo replays a traced
+def _recorder(model, record: list, what: str) -> tuple:
+    """(the decoder, the list its hooks append to): each forward's input ids go first; a hook on
+    the whole model moves the list into `record` after each forward. Dynamo replays a traced
     append to an outside list as an assignment of the list's whole contents, so across decode
-    steps the compiled graph would leave only the last forward's points."""
+    steps the compiled graph would otherwise leave only the last forward's points."""
     decoder = getattr(model, "model", None)
     if decoder is None or not hasattr(decoder, "layers"):
-        raise ValueError(f"localise needs a decoder model with `.model.layers`; {type(model).__name__} has none")
+        raise ValueError(f"{what} needs a decoder model with `.model.layers`; {type(model).__name__} has none")
     inner: list = []
 
     def flush(module, args, out):
@@ -63,6 +60,15 @@ def _hook(model, record: list) -> None:
         inner.clear()
 
     model.register_forward_hook(flush)
+    decoder.embed_tokens.register_forward_pre_hook(lambda module, args: inner.append(("input ids", "tokens", args[0].clone())))
+    return decoder, inner
+
+
+def _hook(model, record: list) -> None:
+    """Forward (pre-)hooks that append (name, kind, tensor) to `record`, cloned: eager vLLM
+    normalises and rotates in place. The hooks inside the decoder (the module vLLM compiles)
+    write to `_recorder`'s list."""
+    decoder, inner = _recorder(model, record, "localise")
 
     def keep(name, kind, pick=lambda out: out[0] if isinstance(out, tuple) else out):
         return lambda module, args, out: inner.append((name, kind, pick(out).clone()))
@@ -73,7 +79,6 @@ def _hook(model, record: list) -> None:
     def keep_input(name, kind):
         return lambda module, args: inner.append((name, kind, args[0].clone()))
 
-    decoder.embed_tokens.register_forward_pre_hook(keep_input("input ids", "tokens"))
     rotaries = []
     for i, layer in enumerate(decoder.layers):
         p, attn = f"model.layers.{i}", layer.self_attn
@@ -108,23 +113,13 @@ def hook_routes(model, record: list) -> None:
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    decoder = getattr(model, "model", None)
-    if decoder is None or not hasattr(decoder, "layers"):
-        raise ValueError(f"recording routes needs a decoder model with `.model.layers`; {type(model).__name__} has none")
     runners = [m for m in model.modules() if isinstance(m, MoERunner)]
     if not runners:
         raise ValueError(f"{type(model).__name__} has no MoE layer (vLLM's MoERunner) whose routes could be recorded")
     unsupported = [type(r.router).__name__ for r in runners if not isinstance(r.router, BaseRouter)]
     if unsupported:
         raise ValueError(f"the MoE routers {sorted(set(unsupported))} take no capture callback (vLLM's BaseRouter does)")
-    inner: list = []
-
-    def flush(module, args, out):
-        record.extend(inner)
-        inner.clear()
-
-    model.register_forward_hook(flush)
-    decoder.embed_tokens.register_forward_pre_hook(lambda module, args: inner.append(("input ids", "tokens", args[0].clone())))
+    _, inner = _recorder(model, record, "recording routes")
     for runner in runners:
         name = f"model.layers.{runner.layer_id}.mlp (expert ids)"
         runner.router.set_capture_fn(lambda ids, name=name: inner.append((name, "routes", ids.to(torch.float32))))
