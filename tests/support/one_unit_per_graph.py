@@ -6,7 +6,7 @@ precompiled `cpp_prefix.h` (its deferred template instantiations, `-ftime-report
 deferred"), measured on this repository's 2-core CI machine. A tiny model's graph has 12-18
 kernels; the test suite builds about 1,800 of them.
 
-With this installed (the tests' conftest does it), the kernels a wrapper module defines are
+With this installed, the kernels a wrapper module defines are
 collected and built together when the module calls `async_compile.wait(globals())`: one
 translation unit in which each kernel's source sits unchanged in a namespace of its own, its
 `kernel` renamed `kernel_<i>`, with one Python binding per kernel. Each kernel's code, flags
@@ -14,8 +14,10 @@ and optimisation level are Inductor's; only the number of `g++` runs changes. A 
 kernels cannot be built together (a source with an include of its own, or a unit that fails to
 build) is built kernel by kernel, as Inductor does.
 
-Only the test processes use it: the benchmark scripts and the vLLM engines the tests start in
-subprocesses build as users' processes do, so their compile times stay what users see.
+The test processes use it (conftest.py installs it) and so do the Python processes they start
+(benchmark smokes, engine probes, examples: `one_unit/sitecustomize.py`, on their PYTHONPATH).
+Nothing outside the tests does: the benchmark scripts run by hand, whose results the docs
+quote (compile times included), build as users' processes do.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>"
 _pending = threading.local()
 # why each unit that did not build did not (read by the test that the units build)
 FALLBACKS: list[str] = []
+# what this process built as units: how many units, how many kernels in them
+BUILT = {"units": 0, "kernels": 0}
 
 
 class _Kernel:
@@ -115,6 +119,8 @@ def _build(kernels):
             continue
         for i, k in enumerate(group):
             k.fn = getattr(module, f"kernel_{i}")
+        BUILT["units"] += 1
+        BUILT["kernels"] += len(group)
 
 
 def _cpp_pybinding(self, argtypes, source_code):
