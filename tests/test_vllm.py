@@ -415,6 +415,8 @@ def test_router_hook_routes_in_fp32_as_the_contract():
         assert gate.rla_weight_fp32.dtype == torch.float32 and torch.equal(gate.rla_weight_fp32, w.float())
         logits, bias = GateLinear.forward(gate, h)
         assert bias is None and logits.dtype == torch.float32 and torch.equal(logits, ref.logits(h, w))
+        for rows in (1, 3, 5):  # a decode step's few tokens: each routed on the logits it has among many
+            assert torch.equal(GateLinear.forward(gate, h[:rows])[0], logits[:rows])
 
         router = CPURouter(top_k=4, global_num_experts=16, renormalize=True)
         weights, ids = router._compute_routing(h, logits, None)
@@ -423,6 +425,65 @@ def test_router_hook_routes_in_fp32_as_the_contract():
         assert weights.dtype == torch.float32 and torch.equal(weights, want)
         stock, _ = router._compute_routing(h, logits.bfloat16(), None)  # vLLM's own: a bf16 softmax over the k
         assert not torch.equal(stock, want)
+    finally:
+        rla_vllm.undo()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("outputs", [8, 1000])  # a router's experts, a vocabulary
+def test_fp32_linear_rows_are_those_of_a_large_batch(threads, outputs):
+    """`linear_rows_as_in_a_batch` (the engine's fp32 head and gate): every count of rows from 1
+    to 40 gives each row the bits it has among 300 rows; torch's CPU GEMM alone does not promise
+    that (here 1-3 rows differ with one thread, also 5-7 and 9-11 with two: recorded, not
+    asserted, since it is the machine's)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(300, 96, generator=gen).bfloat16().float()
+        w = torch.randn(outputs, 96, generator=gen).bfloat16().float()
+        bias = torch.randn(outputs, generator=gen)
+        full = torch.nn.functional.linear(x, w, bias)
+        for rows in range(1, 41):
+            assert torch.equal(rla_vllm.linear_rows_as_in_a_batch(x[:rows], w, bias), full[:rows]), rows
+        batched = rla_vllm.linear_rows_as_in_a_batch(x[:6].reshape(2, 3, 96), w, bias)
+        assert batched.shape == (2, 3, outputs) and torch.equal(batched.reshape(6, outputs), full[:6])
+        plain = [rows for rows in range(1, 41) if not torch.equal(torch.nn.functional.linear(x[:rows], w, bias), full[:rows])]
+        print(f"{threads} thread(s), {outputs} outputs: plain F.linear rows differ from the large batch's at {plain} rows")
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_the_fp32_head_gives_a_decode_step_the_logits_of_a_batch():
+    """The logits site's engine half beside head_dtype=float32: an engine that aligns `logits`
+    computes a step's fp32 logits with `linear_rows_as_in_a_batch`, so one, three or five running
+    requests get the bits they get among 24 tokens; an engine that does not is vLLM's."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    rla_vllm.fp32_head_rows()
+    try:
+        selects = {}
+        for sites in (["logits"], ["rope"]):
+            settings = rla_vllm.compilation_config(sites=sites)
+            config = VllmConfig(compilation_config=CompilationConfig(
+                custom_ops=["none"], inductor_compile_config=settings["inductor_compile_config"]))
+            with set_current_vllm_config(config):
+                selects[sites[0]] = rla_vllm._engine_selects("fp32_head_rows")
+        assert selects == {"logits": True, "rope": False}
+
+        gen = torch.Generator().manual_seed(0)
+        h, w = torch.randn(24, 128, generator=gen).bfloat16(), (0.2 * torch.randn(500, 128, generator=gen)).bfloat16()
+        head = SimpleNamespace(weight=w)
+        processor = SimpleNamespace(head_dtype=torch.float32, rla_rows=True)
+        many = LogitsProcessor._apply_head(processor, head, h, None)
+        assert many.dtype == torch.float32 and torch.equal(many, torch.nn.functional.linear(h.float(), w.float()))
+        for rows in (1, 3, 5):
+            assert torch.equal(LogitsProcessor._apply_head(processor, head, h[:rows], None), many[:rows])
     finally:
         rla_vllm.undo()
 

