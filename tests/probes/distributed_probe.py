@@ -8,6 +8,9 @@ Training scenarios, each a few AdamW steps of tiny Llama (bf16) on the same batc
 (the losses and the full parameters after training, gathered from the shards):
 - fsdp_per_layer: FSDP2 `fully_shard` on every decoder layer and on the root (the usual setup)
 - fsdp_root: FSDP2 `fully_shard` on the root only (one FSDP unit)
+- fsdp_moe: fsdp_per_layer on a tiny Qwen3-MoE with the MoE sites too (`router`,
+  `expert_combine`), on eager kernels (Inductor's backward of the experts' grouped matmuls
+  differs from eager already without rla: tests/test_coverage.py)
 
 Tensor-parallel scenarios, one forward and backward with a fixed cotangent (the logits and
 every parameter gradient, gathered with `full_tensor()`):
@@ -142,14 +145,16 @@ def _scenario(name: str, mesh) -> dict:
     from rla_compile.tiny import tiny_causal_lm
 
     torch._dynamo.reset()
-    model = tiny_causal_lm("llama")
+    model = tiny_causal_lm("qwen3_moe" if name == "fsdp_moe" else "llama")
     backend = rla_compile.Backend(compiler="aot_eager")
+    if name == "fsdp_moe":
+        backend = rla_compile.Backend(compiler="aot_eager", sites=[*rla_compile.DEFAULT_SITES, *MOE_SITES])
     if name == "tp_sp_inductor":  # not in the default suite: 50-100 s of Inductor compiles
         torch._inductor.config.fx_graph_cache = False
         backend = rla_compile.Backend(pin_rounding=True)
     elif name == "tp_sp_as_written":  # without rla: checks the reference's model of TP's arithmetic
         backend = "aot_eager"
-    if name == "fsdp_per_layer":
+    if name in ("fsdp_per_layer", "fsdp_moe"):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -177,7 +182,8 @@ def _scenario(name: str, mesh) -> dict:
     return result | {"reports": reports}  # per rank
 
 
-SCENARIOS = {"1d": ("fsdp_per_layer", "fsdp_root", "tp", "tp_sp", "tp_sp_as_written"), "2d": ("fsdp_tp",)}
+SCENARIOS = {"1d": ("fsdp_per_layer", "fsdp_root", "fsdp_moe", "tp", "tp_sp", "tp_sp_as_written"), "2d": ("fsdp_tp",)}
+MOE_SITES = ("router", "expert_combine")
 
 
 def _worker(rank: int, world: int, port: int, out: str, which: str, names: tuple) -> None:
