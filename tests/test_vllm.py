@@ -3,6 +3,7 @@ default run checks only the error without vLLM."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -353,9 +354,7 @@ def test_a_reloaded_moe_engine_computes_the_new_weights(tmp_path):
 def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
     """`compilation_config()` leaves the environment alone; a rotary layer keeps its table fp32
     when the config it is built under holds rla's pass with `rope`, and is stock otherwise."""
-    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
-
 
     monkeypatch.delenv(rla_vllm.FP32_ROPE_ENV, raising=False)
     rla_vllm.compilation_config()  # vLLM's own imports set variables of theirs (LD_PRELOAD, ...) once
@@ -366,16 +365,31 @@ def test_fp32_rope_tables_follow_the_engines_config(monkeypatch):
     environ = rla_environ()
     tables = {}
     for max_position, sites in ((264, ["rope"]), (328, ["swiglu"])):  # layers of their own: get_rope caches by shape
-        settings = rla_vllm.compilation_config(sites=sites)
-        assert rla_environ() == environ
-        config = VllmConfig(compilation_config=CompilationConfig(
-            custom_ops=["none"], inductor_compile_config=settings["inductor_compile_config"]))
-        with set_current_vllm_config(config):
+        with _building_under(sites):
+            assert rla_environ() == environ
             rope = get_rope(32, max_position=max_position, is_neox_style=True,
                             rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, dtype=torch.bfloat16)
         tables[sites[0]] = rope.cos_sin_cache.dtype
     assert tables == {"rope": torch.float32, "swiglu": torch.bfloat16}
     rla_vllm.undo()
+
+
+@contextlib.contextmanager
+def _building_under(sites: list[str]):
+    """vLLM's current config while it builds an engine's model, for an engine aligning `sites`."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+
+    settings = rla_vllm.compilation_config(sites=sites)
+    config = VllmConfig(compilation_config=CompilationConfig(
+        custom_ops=["none"], inductor_compile_config=settings["inductor_compile_config"]))
+    with set_current_vllm_config(config):
+        yield
+
+
+def _selects(hook: str, site: str) -> bool:
+    """Whether an engine whose config aligns `site` alone asks for the engine hook `hook`."""
+    with _building_under([site]):
+        return rla_vllm._engine_selects(hook)
 
 
 @pytestmark_vllm
@@ -389,7 +403,6 @@ def test_router_hook_routes_in_fp32_as_the_contract():
     reference bit for bit, and bf16 logits (an engine that does not align it) route as vLLM's."""
     from types import SimpleNamespace
 
-    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers import utils as layer_utils
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
@@ -398,14 +411,7 @@ def test_router_hook_routes_in_fp32_as_the_contract():
 
     rla_vllm.route_in_fp32()
     try:
-        selects = {}
-        for sites in (["router"], ["rope"]):
-            settings = rla_vllm.compilation_config(sites=sites)
-            config = VllmConfig(compilation_config=CompilationConfig(
-                custom_ops=["none"], inductor_compile_config=settings["inductor_compile_config"]))
-            with set_current_vllm_config(config):
-                selects[sites[0]] = rla_vllm._engine_selects("route_in_fp32")
-        assert selects == {"router": True, "rope": False}
+        assert _selects("route_in_fp32", "router") and not _selects("route_in_fp32", "rope")
 
         torch.manual_seed(0)
         h, w = torch.randn(24, 128).bfloat16(), (0.2 * torch.randn(16, 128)).bfloat16()
@@ -467,19 +473,11 @@ def test_the_fp32_head_gives_a_decode_step_the_logits_of_a_batch():
     requests get the bits they get among 24 tokens; an engine that does not is vLLM's."""
     from types import SimpleNamespace
 
-    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     rla_vllm.fp32_head_rows()
     try:
-        selects = {}
-        for sites in (["logits"], ["rope"]):
-            settings = rla_vllm.compilation_config(sites=sites)
-            config = VllmConfig(compilation_config=CompilationConfig(
-                custom_ops=["none"], inductor_compile_config=settings["inductor_compile_config"]))
-            with set_current_vllm_config(config):
-                selects[sites[0]] = rla_vllm._engine_selects("fp32_head_rows")
-        assert selects == {"logits": True, "rope": False}
+        assert _selects("fp32_head_rows", "logits") and not _selects("fp32_head_rows", "rope")
 
         gen = torch.Generator().manual_seed(0)
         h, w = torch.randn(24, 128, generator=gen).bfloat16(), (0.2 * torch.randn(500, 128, generator=gen)).bfloat16()
