@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import sys
 import time
@@ -26,11 +27,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_CODES = itertools.count()
+
+
+def _own_code(model):
+    """A function calling `model`, with a code object of its own. Dynamo keeps its compiled
+    entries per code object and checks their guards in turn on each call: compiled as
+    `torch.compile(model)`, every variant shares the model class's `forward` and a step pays
+    for the guards of the variants tried before its own (plain Inductor compiled twice, the
+    second copy measured 1.04-1.11x the first at 1 ms a step: benchmarks/upcasts_before_after.py)."""
+    namespace: dict = {}
+    exec(f"def forward_{next(_CODES)}(*args, **kwargs):\n    return model(*args, **kwargs)", {"model": model}, namespace)
+    return next(iter(namespace.values()))
+
+
 def _workload(size: str, mode: str, backend, device: str = "cpu"):
     """The step to time and, in training, a forward that returns the loss (for the bytes saved
     for the backward, `common.saved_bytes_of`), both on one compiled model."""
     model, ids = model_and_tokens(size, device)
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(_own_code(model), backend=backend)
     if mode == "training":
         return train_step(compiled, model, ids), lambda: compiled(ids, labels=ids, use_cache=False).loss
 
@@ -42,23 +57,30 @@ def _workload(size: str, mode: str, backend, device: str = "cpu"):
 
 
 def measure(size: str, mode: str, reps: int, warmup: int = 2, device: str = "cpu", variants=None,
-            compiling=None, saved: bool = False) -> dict:
+            compiling=None, saved: bool = False, calls: bool = False) -> dict:
     """`variants`: name -> backend factory (default: `common.VARIANTS`, "inductor" first);
     `compiling`: name -> a context manager factory held while that variant compiles; `saved`
-    (training): also the bytes each variant saves for the backward, on the model it times."""
+    (training): also the bytes each variant saves for the backward, on the model it times;
+    `calls`: also the kernels each variant generated and the calls a step makes (`_calls`)."""
+    from torch._inductor import metrics
+
     variants = variants or VARIANTS
-    steps, losses = {}, {}
+    steps, losses, counts = {}, {}, {}
     torch._dynamo.reset()
     for name, make in variants.items():
         # no reset between variants: each backend keeps its own compiled code (Dynamo's cache
         # entries are per backend), so each variant compiles once
         steps[name], losses[name] = _workload(size, mode, make(), device)
+        generated = metrics.generated_kernel_count
         with (compiling or {}).get(name, contextlib.nullcontext)():
             for _ in range(warmup):  # the first call compiles (forward and backward)
                 steps[name]()
+        counts[name] = {"generated_kernels": metrics.generated_kernel_count - generated}
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(reps):  # alternate, so load on the machine hits every variant alike
-        for name, step in steps.items():
+    order = list(steps)
+    for i in range(reps):  # alternate, so load on the machine hits every variant alike, each
+        for name in order[i % len(order):] + order[:i % len(order)]:  # round starting at the next variant
+            step = steps[name]
             _sync(device)
             start = time.perf_counter()
             step()
@@ -72,11 +94,29 @@ def measure(size: str, mode: str, reps: int, warmup: int = 2, device: str = "cpu
     result = {"size": size, "mode": mode, "reps": reps, "median_s": medians, "times_s": times,
               "ratio_vs_inductor": {name: medians[name] / medians["inductor"] for name in medians},
               "round_ratio_quartiles": spread}
+    if calls:  # after timing: a profiled step left every later step slower (about 20% here)
+        result["calls"] = {name: {**counts[name], **_calls(step)} for name, step in steps.items()}
     if saved:
         if mode != "training":
             raise ValueError("saved bytes are those of a training step: pass mode='training'")
         result["saved_bytes"] = {name: saved_bytes_of(loss) for name, loss in losses.items()}
     return result
+
+
+def _calls(step) -> dict:
+    """What one step calls, under the profiler: the ATen (and rla) ops called from compiled code
+    or the step itself, not those an op calls inside, by name. Inductor's generated kernels are
+    not profiled ops: `generated_kernels` counts them (at compile time, forward and backward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+
+    def op(event) -> bool:
+        return event.name.startswith(("aten::", "rla::"))
+
+    top = [e.name for e in prof.events() if op(e) and not (e.cpu_parent is not None and op(e.cpu_parent))]
+    return {"op_calls": len(top), "op_calls_by_name": {n: top.count(n) for n in sorted(set(top))}}
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -2,9 +2,11 @@
 backend, vLLM's post-grad pass) apply after the rewrite so that Inductor computes the contract.
 
 - every site rounding carries Inductor's rounding barrier (fusion would otherwise drop it);
-- unpinned, upcasts of a rounded site output run on ATen, or the rounding is stored before
-  the kernel boundary that its reader waits for (`_kernel_apart`); RoPE's cos/sin tables run
-  on ATen (`position_tables`), as an engine computes its table;
+- unpinned, a rounded site output that a widening cast reads in the same generated kernel is
+  rounded in integer arithmetic there (`round_in_kernel`; fp16 outputs: the upcast runs on ATen,
+  `upcast_on_aten`), or the rounding is stored before the kernel boundary that its reader waits
+  for (`_kernel_apart`); RoPE's cos/sin tables run on ATen (`position_tables`), as an engine
+  computes its table;
 - pinned (`pin_rounding`, Inductor's `emulate_precision_casts`), the fp32 math a rounding reads
   runs on ATen's kernels (`pin_eager_math`), LayerNorm, softmax and GELU included (eager_kernels.py).
 """
@@ -20,8 +22,8 @@ from . import sites as registry
 from .config import Options
 from .ops import is_site_rounding
 
-__all__ = ["KeepSiteRounding", "keep_site_roundings", "upcast_on_aten", "eager_math_nodes", "pin_eager_math",
-           "position_tables"]
+__all__ = ["KeepSiteRounding", "keep_site_roundings", "round_in_kernel", "upcast_on_aten", "eager_math_nodes",
+           "pin_eager_math", "position_tables"]
 
 
 class KeepSiteRounding(CustomGraphPass):
@@ -51,20 +53,21 @@ class KeepSiteRounding(CustomGraphPass):
 def keep_site_roundings(graph: Graph) -> None:
     """What both compiled paths (this backend, vLLM's pass) do to a post-grad graph so that
     Inductor computes the contract: every site rounding carries the rounding barrier; unpinned,
-    upcasts of a rounded site output run on ATen (`_upcasts_of`, `upcast_on_aten`); pinned,
-    the fp32 math a rounding reads runs on ATen (`pin_eager_math`)."""
+    a rounded site output that an upcast reads in the same kernel is rounded in integer
+    arithmetic (`_upcasts_of`, `round_in_kernel`; `upcast_on_aten` where that cannot apply);
+    pinned, the fp32 math a rounding reads runs on ATen (`pin_eager_math`)."""
     from torch._inductor import config as inductor_config
 
     pinned = inductor_config.emulate_precision_casts  # pin_rounding, or the user's own setting
     position = {n: i for i, n in enumerate(graph.nodes)}
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.op == "call_function" and is_site_rounding(node):  # not a saved rounding read by the backward
             node.meta["low_precision_pointwise_barrier"] = True
             if not pinned:
                 for upcast in _upcasts_of(node):
                     if _kernel_apart(node, upcast, position):
                         node.meta["inductor_realize_to_strides"] = True  # stored once, in bf16
-                    else:
+                    elif not round_in_kernel(node):
                         upcast_on_aten(graph, upcast)
     if pinned:
         pin_eager_math(graph)
@@ -81,6 +84,70 @@ def position_tables(graph: Graph) -> list:
     model, 96 positions), and RoPE's one rounding flips on a few elements there (trainer vs
     vLLM-CPU, every site on both sides: the first divergence, at layer 1; docs/mismatch.md)."""
     return [n for n in eager_math_nodes(graph) if ops.op_name(n) in ("cos", "sin")]
+
+
+def round_in_kernel(rounding) -> bool:
+    """Make `rounding` (fp32 -> bf16) `rla::rounding`, which Inductor lowers to the rounding written
+    out on the fp32 bits (`_round_to_bf16_bits`) before the cast to bf16, in the generated kernel
+    (C++ and Triton alike). Returns False, changing nothing, where that does not apply (an fp16
+    or non-fp32 rounding): the caller runs the upcast on ATen instead.
+
+    Why: unpinned, a widening cast that reads the rounded value in the same kernel (Qwen3's q/k
+    norm into RoPE) gets the fp32 value the rounding came from. Inductor's C++ kernels compute
+    bf16 values in fp32, and the `to_dtype` that its loop-body legalisation inserts before a
+    bf16 store caches "upcast of the stored value = the fp32 value" (torch/_inductor/codegen/cpp.py,
+    `cache_dtype_convert`), off only under `emulate_precision_casts`. Here the value before that
+    cast is already the rounded one, so whatever the kernel hands the reader is the contract's.
+    Before, the upcast ran on ATen (`upcast_on_aten`): an extra call and kernel per upcast, the
+    host time a GPU waits on (docs/performance.md#host-time)."""
+    source = rounding.args[0] if rounding.args else None
+    if rounding.target is torch.ops.rla.rounding.default:
+        return True
+    if ops.dtype_of(rounding) != torch.bfloat16 or ops.dtype_of(source) != torch.float32 or not ops.is_cast(rounding):
+        return False
+    rounding.target, rounding.args, rounding.kwargs = torch.ops.rla.rounding.default, (source, torch.bfloat16), {}
+    return True
+
+
+def _round_to_bf16_bits(value):
+    """fp32 `value` rounded to bf16's precision to nearest, ties to even, still in fp32, as
+    Inductor ops on its bits: add 0x7FFF plus the lowest kept bit, clear the 16 dropped bits;
+    the carry makes overflow inf. NaN stays NaN. This is c10::BFloat16's and ATen's conversion
+    (`round_to_nearest_even`); subnormals included (bf16 has fp32's exponent range)."""
+    from torch._inductor.virtualized import ops as kernel
+
+    def int32(v):
+        return kernel.constant(v, torch.int32)
+
+    bits = kernel.to_dtype_bitcast(value, torch.int32, torch.float32)
+    kept_lsb = kernel.bitwise_and(kernel.bitwise_right_shift(bits, int32(16)), int32(1))
+    bits = kernel.bitwise_and(kernel.add(kernel.add(bits, int32(0x7FFF)), kept_lsb), int32(-0x10000))
+    rounded = kernel.to_dtype_bitcast(bits, torch.float32, torch.int32)
+    return kernel.where(kernel.ne(value, value), value, rounded)
+
+
+def _lower_round(x, dtype):
+    """Inductor's lowering of `rla::rounding` (bf16 out of fp32): a pointwise node like any cast,
+    which fuses with its neighbours."""
+    from torch._inductor import ir
+
+    load = x.make_loader()
+
+    def inner_fn(index):
+        from torch._inductor.virtualized import ops as kernel
+
+        return kernel.to_dtype(_round_to_bf16_bits(load(index)), dtype, src_dtype=torch.float32)
+
+    return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=list(x.get_size()))
+
+
+def _register_round_lowering() -> None:
+    from torch._inductor.lowering import register_lowering
+
+    register_lowering(torch.ops.rla.rounding.default, type_promotion_kind=None)(_lower_round)
+
+
+_register_round_lowering()
 
 
 def upcast_on_aten(graph: Graph, upcast) -> None:
@@ -199,7 +266,8 @@ def eager_math_nodes(graph: Graph) -> list:
     found: set = set()
     if not any(is_site_rounding(n) for n in graph.nodes):
         return []
-    stack = [n for n in graph.nodes if ops.is_cast(n) and ops.is_low_precision(n) and _wide_float(n.args[0])]
+    stack = [n for n in graph.nodes if (ops.is_cast(n) or n.target is torch.ops.rla.rounding.default)
+             and ops.is_low_precision(n) and _wide_float(n.args[0])]
     seen = set(stack)
     while stack:
         for value in stack.pop().all_input_nodes:

@@ -206,13 +206,16 @@ def test_site_to_site_rounding_survives_the_cpu_kernel_cache_unpinned():
     assert int((outs["inductor"] != outs["aot_eager"]).sum()) == 0
 
 
-def test_upcasts_on_aten_are_calls_without_python(monkeypatch):
-    """The upcasts of a rounded site output that run on ATen (Qwen3's q norm into RoPE, as
-    above) are calls of `rla::upcast`, ATen's `_to_copy` behind an op of rla's own: not a
-    per-node fallback of the post-grad `prims.convert_element_type`, whose Python reference
-    took 0.1-0.6 ms of host time per call and left an H200 waiting on every layer (3.1x the wall time
-    of an inference at Qwen3-0.6B's width), and not a `torch.library.custom_op` (a Python
-    autograd wrapper, 0.2 ms). The same holds for the pinned mode's eager kernels."""
+def test_roundings_read_in_their_kernel_are_rounded_there_and_calls_have_no_python(monkeypatch):
+    """Qwen3's q/k norm roundings, which RoPE upcasts in the same kernel (as above), become
+    `rla::rounding`: Inductor lowers them into the generated kernel (`lowering.round_in_kernel`),
+    so no upcast runs on ATen (an extra call and kernel per upcast, the host time a GPU waits
+    on: docs/performance.md#host-time). What still runs as a call of rla's is a call of an op
+    defined on a Library: not a per-node fallback of the post-grad `prims.convert_element_type`,
+    whose Python reference took 0.1-0.6 ms of host time per call and left an H200 waiting on
+    every layer (3.1x the wall time of an inference at Qwen3-0.6B's width), and not a
+    `torch.library.custom_op` (a Python autograd wrapper, 0.2 ms). The same holds for the
+    pinned mode's eager kernels."""
     import rla_compile.lowering as lowering
     from torch._library.custom_ops import OPDEFS
 
@@ -231,10 +234,48 @@ def test_upcasts_on_aten_are_calls_without_python(monkeypatch):
     finally:
         torch._dynamo.reset()
     (nodes,) = graphs
-    assert sum(target is torch.ops.rla.upcast.default for target, _ in nodes) == 2  # q and k norms into RoPE
+    assert sum(target is torch.ops.rla.rounding.default for target, _ in nodes) == 2  # q and k norms into RoPE
+    assert sum(target is torch.ops.rla.upcast.default for target, _ in nodes) == 0
     assert [t for t, fallback in nodes if fallback and t.namespace == "prims"] == []
-    assert [name for name in ("upcast", "eager_native_layer_norm", "eager_softmax", "eager_gelu")
+    assert [name for name in ("upcast", "rounding", "eager_native_layer_norm", "eager_softmax", "eager_gelu")
             if f"rla::{name}" in OPDEFS] == []
+
+
+def _bit_patterns() -> torch.Tensor:
+    """fp32 bit patterns of every kind a rounding to bf16 meets: random ones (every exponent,
+    both signs), each with its 16 dropped bits set to the cases of round-to-nearest-even (below,
+    at and above a tie, zero, all ones), and the special values (zeros, subnormals, the largest
+    finite numbers, which round to inf, infinities, NaNs). 2^16 + 7 of each: both the vector
+    loop and its scalar tail."""
+    gen = torch.Generator().manual_seed(0)
+    high = torch.randint(0, 1 << 16, ((1 << 16) + 7,), generator=gen, dtype=torch.int64) << 16
+    dropped = [0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF]
+    special = [0x00000000, 0x80000000, 0x00000001, 0x00008000, 0x00018000, 0x007FFFFF, 0x00800000, 0x7F7F7FFF,
+               0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF,
+               0x3F808000, 0x3F818000]
+    bits = torch.cat([high | d for d in dropped] + [torch.tensor(special, dtype=torch.int64)])
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # as signed 32-bit
+
+
+def test_rounding_in_kernel_is_atens_conversion_on_every_kind_of_value():
+    """`rla::rounding` as Inductor lowers it (`lowering._round_to_bf16_bits`, the rounding written
+    out on the fp32 bits) against ATen's fp32 -> bf16 conversion, bit for bit (NaN as NaN), both
+    stored and upcast again by a reader fused into the same kernel (the reader Inductor's
+    cache would otherwise hand the unrounded value)."""
+    x = _bit_patterns()
+    want = x.to(torch.bfloat16)
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch(fx_graph_cache=False):
+            stored = torch.compile(lambda v: torch.ops.rla.rounding(v, torch.bfloat16), backend="inductor")(x)
+            read = torch.compile(lambda v: torch.ops.rla.rounding(v, torch.bfloat16).float() * 3, backend="inductor")(x)
+    finally:
+        torch._dynamo.reset()
+    nan = want.isnan()
+    assert torch.equal(stored.isnan(), nan) and torch.equal(stored[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    expected = want.float() * 3
+    assert torch.equal(read.isnan(), expected.isnan())
+    assert torch.equal(read[~nan].view(torch.int32), expected[~nan].view(torch.int32))
 
 
 def _documented_variants() -> set[tuple[str, str]]:

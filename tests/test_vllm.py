@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -707,3 +708,78 @@ def test_attention_site_runs_the_fp32_kernel_where_vllm_would_run_amx(monkeypatc
     finally:
         rla_vllm.undo()
     assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == "amx"
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_vllm_triton_form_is_the_engines_triton_kernel_on_the_trainers_batch():
+    """rounding 'vllm_triton' (the engine runs TRITON_ATTN on CUDA) runs vLLM's own Triton kernel
+    on the trainer's padded batch; here under Triton's interpreter (tests/support/
+    vllm_triton_interpreter.py, a process of its own). The trainer's rows equal, bit for bit, the
+    kernel called as the engine calls it on the same sequences in another batch (another order,
+    another sequence beside them, shuffled paged blocks of another size); the output is the
+    contract up to P's rounding to bf16, the gradients autograd's over the contract to bf16's
+    precision; and a tiny Qwen3 with HF's default SDPA attention on a left-padded batch runs the
+    form in every layer."""
+    script = Path(__file__).parent / "support" / "vllm_triton_interpreter.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["equal_to_engine"] == 1.0 and result["elements"] == 11520
+    assert result["max_abs_vs_float64"] < 2 ** -6  # P and the output rounded to bf16: not the contract's bits
+    assert all(error < 0.01 for error in result["grad_relative_error"].values()), result["grad_relative_error"]
+    assert result["notes"] == ["computed by vLLM's Triton unified_attention kernel on the trainer's batch "
+                               "(rounding 'vllm_triton')"] * 2
+    assert 0 < result["logits_equal_to_contract"] < 1 and result["logits_max_abs_vs_contract"] < 0.05
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_paired_attention_form_follows_the_engines_backend():
+    """Which form pairs the trainer with an engine, read from vLLM's own config classes: vLLM's
+    Triton kernel where the engine runs TRITON_ATTN on CUDA; none for FLASH_ATTN or an engine
+    left to choose (it picks FLASH_ATTN on H100/H200), each saying how to pair; on CPU, the
+    probe's measured verdict on vLLM-CPU's kernel, whatever backend was asked for."""
+    from vllm.config import AttentionConfig, DeviceConfig, VllmConfig
+
+    from rla_compile.integrations.vllm_kernels import cpu_attention_kernel, paired_attention_form
+
+    def engine(backend, device):
+        if device == "cpu":
+            return VllmConfig(attention_config=AttentionConfig(backend=backend))
+        # a VllmConfig checks its device against this machine: its parts, as vLLM builds them
+        return SimpleNamespace(attention_config=AttentionConfig(backend=backend), device_config=DeviceConfig(device=device))
+
+    form, why = paired_attention_form(engine("TRITON_ATTN", "cuda"))
+    assert form == "vllm_triton" and "VLLM_BATCH_INVARIANT=1" in why
+    for backend in ("FLASH_ATTN", None):
+        form, why = paired_attention_form(engine(backend, "cuda"))
+        assert form is None and "attention_backend='TRITON_ATTN'" in why
+    form, why = paired_attention_form(engine("TRITON_ATTN", "cpu"))
+    assert form == ("vllm_cpu_vec" if cpu_attention_kernel()[1] == "vllm_cpu_vec" else None), why
+
+
+@pytestmark_vllm
+@pytest.mark.vllm
+def test_the_gpu_scripts_paired_section_runs_on_vllms_copied_kernel(tmp_path):
+    """benchmarks/gpu_path.py on a machine without vLLM, as a lent GPU is: vLLM's Triton kernel
+    copied as files (benchmarks/vllm_triton_files.py) and loaded under vLLM's module names
+    with its few imports stood in for; the `paired` section's smoke (CPU, Triton's interpreter)
+    finds the form equal to the kernel as the engine calls it."""
+    root = Path(__file__).parents[1]
+    copy = tmp_path / "kernel"
+    subprocess.run([sys.executable, "-m", "benchmarks.vllm_triton_files", "--dest", str(copy)], cwd=root, check=True,
+                   capture_output=True, timeout=300)
+    without_vllm = (  # this process has vLLM: hide it, as the GPU machine has none
+        "import importlib.util as u, sys; find = u.find_spec; "
+        "u.find_spec = lambda name, *a: None if name == 'vllm' else find(name, *a); "
+        f"from benchmarks import gpu_path, vllm_triton_files; vllm_triton_files.DEST = __import__('pathlib').Path({str(copy)!r}); "
+        f"sys.exit(gpu_path.main(['--smoke', '--sections', 'paired', '--json', {str(tmp_path / 'g.json')!r}]))")
+    done = subprocess.run([sys.executable, "-c", without_vllm], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "g.json").read_text())
+    assert result["errors"] == [] and result["kernel"].startswith("vllm")
+    (paired,) = result["paired"]
+    assert paired["shape"] == "smoke" and paired["equal_to_engine"] == 1.0

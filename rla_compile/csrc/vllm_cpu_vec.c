@@ -61,75 +61,115 @@ static float lane_sum(const float *p, int64_t n, int fused) {
     return (t[2] + t[0]) + (t[3] + t[1]);
 }
 
-/* One request: q (scaled), k [heads, tokens, dim], v [heads, tokens, vdim], all contiguous;
- * bias [bias_heads, tokens, tokens] (bias_heads 1 or heads) or NULL (causal); tiles[i] the
- * row's key-block size and limits[i] where its block loop stops (the reference's loop bound);
- * out [heads, tokens, vdim]. Returns 0, or -1 when out of memory. */
+#define ROWS 8 /* query rows computed together: each k and v row loaded once for all of them */
+
+/* One request, heads first_head..last_head-1 (callers split the heads over threads): q (scaled),
+ * k [heads, tokens, dim], v [heads, tokens, vdim], all contiguous; bias [bias_heads, tokens,
+ * tokens] (bias_heads 1 or heads) or NULL (causal); tiles[i] the row's key-block size and
+ * limits[i] where its block loop stops (the reference's loop bound); out [heads, tokens, vdim].
+ * Returns 0, or -1 when out of memory.
+ *
+ * Rows are taken ROWS at a time where their tiles and limits agree; each row's every value is
+ * still the reference's chain in the reference's order (only independent chains interleave).
+ * Causal, a row computes no key after its own: the reference's scores there are -inf, whose
+ * p = exp(-inf - m) is +0, and +0 leaves every max, lane sum, total and (for finite v)
+ * accumulator as it was, bit for bit; so are whole blocks past the row's own keys skipped. */
 int rla_vllm_cpu_vec_attention(const float *q, const float *k, const float *v, const float *bias,
                                int64_t bias_heads, int64_t heads, int64_t tokens, int64_t dim,
                                int64_t vdim, const int64_t *tiles, const int64_t *limits, int fused,
-                               float *out) {
+                               float *out, int64_t first_head, int64_t last_head) {
+    (void)heads;
     float *kt = malloc(sizeof(float) * dim * tokens);
-    float *s = malloc(sizeof(float) * tokens);
-    float *p = malloc(sizeof(float) * tokens);
-    float *acc = malloc(sizeof(float) * vdim);
+    float *s = malloc(sizeof(float) * ROWS * tokens);
+    float *p = malloc(sizeof(float) * ROWS * tokens);
+    float *acc = malloc(sizeof(float) * ROWS * vdim);
     if (!kt || !s || !p || !acc) {
         free(kt), free(s), free(p), free(acc);
         return -1;
     }
-    for (int64_t h = 0; h < heads; h++) {
+    for (int64_t h = first_head; h < last_head; h++) {
         const float *qh = q + h * tokens * dim, *kh = k + h * tokens * dim, *vh = v + h * tokens * vdim;
         const float *bh = bias ? bias + (bias_heads == 1 ? 0 : h) * tokens * tokens : NULL;
         for (int64_t j = 0; j < tokens; j++)
             for (int64_t d = 0; d < dim; d++) kt[d * tokens + j] = kh[j * dim + d];
-        for (int64_t i = 0; i < tokens; i++) {
-            const float *qi = qh + i * dim;
-            /* scores: each a chain over the head dimension from 0 (the loop runs over keys
-             * inside, so it vectorises without reordering any chain) */
-            for (int64_t j = 0; j < tokens; j++) s[j] = 0.0f;
+        for (int64_t i0 = 0; i0 < tokens;) {
+            int64_t rows = 1;
+            while (rows < ROWS && i0 + rows < tokens && tiles[i0 + rows] == tiles[i0] && limits[i0 + rows] == limits[i0])
+                rows++;
+            int64_t ends[ROWS], n[ROWS]; /* keys a row scores; of them, in the current block */
+            float m[ROWS], total[ROWS];
+            for (int64_t r = 0; r < rows; r++) ends[r] = bh ? tokens : i0 + r + 1;
+            /* scores: each a chain over the head dimension from 0 (the loops over keys inside) */
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < ends[r]; j++) s[r * tokens + j] = 0.0f;
             for (int64_t d = 0; d < dim; d++) {
-                const float qd = qi[d], *kd = kt + d * tokens;
-                if (fused)
-                    for (int64_t j = 0; j < tokens; j++) s[j] = fmaf(qd, kd[j], s[j]);
-                else
-                    for (int64_t j = 0; j < tokens; j++) s[j] = s[j] + qd * kd[j];
-            }
-            if (bh) {
-                const float *bi = bh + i * tokens;
-                for (int64_t j = 0; j < tokens; j++) s[j] = bi[j] <= MASKED ? -INFINITY : s[j] + bi[j];
-            } else {
-                for (int64_t j = i + 1; j < tokens; j++) s[j] = -INFINITY;
-            }
-            /* online softmax over blocks of tiles[i] keys, P · V key by key */
-            const int64_t tile = tiles[i];
-            float m = LOWEST, total = 0.0f;
-            for (int64_t e = 0; e < vdim; e++) acc[e] = 0.0f;
-            for (int64_t c0 = 0; c0 < limits[i]; c0 += tile) {
-                const int64_t c1 = c0 + tile < tokens ? c0 + tile : tokens, n = c1 - c0;
-                float block_max = -INFINITY;
-                for (int64_t j = c0; j < c1; j++) block_max = s[j] > block_max ? s[j] : block_max;
-                const float m_new = m > block_max ? m : block_max, diff = m - m_new;
-                const int grows = diff < -8.0f;
-                if (grows) m = m_new;
-                for (int64_t j = 0; j < n; j++) p[j] = fused ? fast_expf(s[c0 + j] - m) : expf(s[c0 + j] - m);
-                const float block_sum = lane_sum(p, n, fused), alpha = expf(diff);
-                if (grows) {
-                    total = fused ? fmaf(total, alpha, block_sum) : block_sum + alpha * total;
-                    for (int64_t e = 0; e < vdim; e++) acc[e] = acc[e] * alpha;
-                } else {
-                    total = block_sum + total;
-                }
-                for (int64_t j = 0; j < n; j++) {
-                    const float pj = p[j], *vj = vh + (c0 + j) * vdim;
+                const float *kd = kt + d * tokens;
+                for (int64_t r = 0; r < rows; r++) {
+                    const float qd = qh[(i0 + r) * dim + d];
+                    float *sr = s + r * tokens;
+                    const int64_t end = ends[r];
                     if (fused)
-                        for (int64_t e = 0; e < vdim; e++) acc[e] = fmaf(pj, vj[e], acc[e]);
+                        for (int64_t j = 0; j < end; j++) sr[j] = fmaf(qd, kd[j], sr[j]);
                     else
-                        for (int64_t e = 0; e < vdim; e++) acc[e] = acc[e] + pj * vj[e];
+                        for (int64_t j = 0; j < end; j++) sr[j] = sr[j] + qd * kd[j];
                 }
             }
-            const float inv = 1.0f / total;
-            float *oi = out + (h * tokens + i) * vdim;
-            for (int64_t e = 0; e < vdim; e++) oi[e] = inv * acc[e];
+            if (bh)
+                for (int64_t r = 0; r < rows; r++) {
+                    const float *bi = bh + (i0 + r) * tokens;
+                    float *sr = s + r * tokens;
+                    for (int64_t j = 0; j < tokens; j++) sr[j] = bi[j] <= MASKED ? -INFINITY : sr[j] + bi[j];
+                }
+            /* online softmax over blocks of tiles[i] keys, P · V key by key */
+            const int64_t tile = tiles[i0], limit = limits[i0];
+            for (int64_t r = 0; r < rows; r++) {
+                m[r] = LOWEST, total[r] = 0.0f;
+                for (int64_t e = 0; e < vdim; e++) acc[r * vdim + e] = 0.0f;
+            }
+            for (int64_t c0 = 0; c0 < limit; c0 += tile) {
+                const int64_t c1 = c0 + tile < tokens ? c0 + tile : tokens;
+                int64_t widest = 0;
+                for (int64_t r = 0; r < rows; r++) {
+                    n[r] = (c1 < ends[r] ? c1 : ends[r]) - c0;
+                    if (n[r] <= 0) { /* the block holds none of the row's keys */
+                        n[r] = 0;
+                        continue;
+                    }
+                    widest = n[r] > widest ? n[r] : widest;
+                    const float *sr = s + r * tokens + c0;
+                    float *pr = p + r * tokens, block_max = -INFINITY;
+                    for (int64_t j = 0; j < n[r]; j++) block_max = sr[j] > block_max ? sr[j] : block_max;
+                    const float m_new = m[r] > block_max ? m[r] : block_max, diff = m[r] - m_new;
+                    const int grows = diff < -8.0f;
+                    if (grows) m[r] = m_new;
+                    for (int64_t j = 0; j < n[r]; j++) pr[j] = fused ? fast_expf(sr[j] - m[r]) : expf(sr[j] - m[r]);
+                    const float block_sum = lane_sum(pr, n[r], fused), alpha = expf(diff);
+                    if (grows) {
+                        total[r] = fused ? fmaf(total[r], alpha, block_sum) : block_sum + alpha * total[r];
+                        for (int64_t e = 0; e < vdim; e++) acc[r * vdim + e] = acc[r * vdim + e] * alpha;
+                    } else {
+                        total[r] = block_sum + total[r];
+                    }
+                }
+                for (int64_t j = 0; j < widest; j++) {
+                    const float *vj = vh + (c0 + j) * vdim;
+                    for (int64_t r = 0; r < rows; r++) {
+                        if (j >= n[r]) continue;
+                        const float pj = p[r * tokens + j];
+                        float *ar = acc + r * vdim;
+                        if (fused)
+                            for (int64_t e = 0; e < vdim; e++) ar[e] = fmaf(pj, vj[e], ar[e]);
+                        else
+                            for (int64_t e = 0; e < vdim; e++) ar[e] = ar[e] + pj * vj[e];
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const float inv = 1.0f / total[r];
+                float *oi = out + (h * tokens + i0 + r) * vdim;
+                for (int64_t e = 0; e < vdim; e++) oi[e] = inv * acc[r * vdim + e];
+            }
+            i0 += rows;
         }
     }
     free(kt), free(s), free(p), free(acc);

@@ -55,12 +55,12 @@ from ..lowering import keep_site_roundings
 from ..report import GraphReport
 from . import VLLM_INSTALL, patching
 from .vllm_kernels import (  # noqa: F401 (public here)
-    check_attention_kernel, cpu_attention_kernel, paired_rounding, use_fp32_attention_kernel,
+    check_attention_kernel, cpu_attention_kernel, paired_attention_form, paired_rounding, use_fp32_attention_kernel,
 )
 
 __all__ = [
     "compilation_config", "engine_kwargs", "make_pass", "register", "install", "undo", "options_from_env",
-    "environment", "engine_env", "injected", "paired_rounding", "cpu_attention_kernel", "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
+    "environment", "engine_env", "injected", "paired_rounding", "paired_attention_form", "cpu_attention_kernel", "SUPPORTED", "FP32_ROPE_ENV", "ENABLE_ENV", "OPTIONS_ENV",
 ]
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from .. import sites as registry
 from ..config import Options
 
 __all__ = ["cpu_attention_kernel", "cpu_attention_rounding", "run_cpu_attention", "check_attention_kernel",
-           "use_fp32_attention_kernel", "paired_rounding", "ROUNDING_PROBES"]
+           "use_fp32_attention_kernel", "paired_rounding", "paired_attention_form", "ROUNDING_PROBES"]
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +190,39 @@ def paired_rounding(options: Options) -> dict[str, str]:
             if mode is not None and mode != "nearest":
                 paired[site.kind] = mode
     return {**paired, **options.rounding}
+
+
+def paired_attention_form(vllm_config: Any) -> tuple[str | None, str]:
+    """The attention site's engine-paired form (option `rounding={"attention": form}`) for the
+    engine `vllm_config` (a `vllm.config.VllmConfig`) describes, and why; (None, why none).
+
+    - CPU: "vllm_cpu_vec" where the probe finds vLLM-CPU's kernel equal to it bit for bit here
+      (`cpu_attention_kernel`), whatever backend was asked for (vLLM-CPU runs CPU_ATTN);
+    - CUDA with the TRITON_ATTN backend (`attention_config.backend`, engine argument
+      `attention_backend="TRITON_ATTN"`): "vllm_triton", vLLM's own Triton kernel run on the
+      trainer's batch (sites/attention/vllm_triton.py). Prefill batches take its 2D path; decode
+      batches too only with VLLM_BATCH_INVARIANT=1 in the engine's environment (else small
+      decode batches split the keys and merge the splits: other sums);
+    - any other backend, or none chosen (vLLM then picks when it builds the model: FLASH_ATTN
+      on H100/H200): no form; its kernels are CUDA C++ that keep P in bf16, which rla cannot
+      run in the trainer."""
+    device = str(getattr(vllm_config.device_config, "device_type", "") or "")
+    backend = vllm_config.attention_config.backend
+    name = getattr(backend, "name", backend)
+    if device == "cpu":
+        kernel, mode = cpu_attention_kernel()
+        if mode == "vllm_cpu_vec":
+            return mode, f"vLLM-CPU's {kernel} attention kernel equals the vllm_cpu_vec form here, bit for bit (measured)"
+        return None, f"vLLM-CPU's {kernel} attention kernel follows no paired form here (measured: {mode})"
+    if device != "cuda":
+        return None, f"no attention form pairs with vLLM on {device or 'an unknown device'}"
+    if name == "TRITON_ATTN":
+        return "vllm_triton", ("TRITON_ATTN: vLLM's Triton unified_attention, run on the trainer's batch; decode batches "
+                               "take the same path only with VLLM_BATCH_INVARIANT=1 in the engine's environment")
+    if name is None:
+        return None, ("no attention backend chosen: vLLM picks one when it builds the model (FLASH_ATTN on H100/H200), "
+                      "whose kernel rla cannot run in the trainer; select TRITON_ATTN (attention_backend='TRITON_ATTN') "
+                      "to pair the trainer with the engine")
+    return None, (f"{name}: a kernel rla cannot run in the trainer (CUDA C++, P held in bf16); select TRITON_ATTN "
+                  "(attention_backend='TRITON_ATTN') to pair the trainer with the engine")
+

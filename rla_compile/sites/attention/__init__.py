@@ -94,6 +94,11 @@ class _Attention:
         ("vllm_cpu_vec", resolved by `Options.rounding_of`), from the roles; fp32, unrounded.
         The chunked form's blocks: option `attention_chunk_mib`."""
         form = options.rounding_of(SITE.kind).form
+        if form == "vllm_triton":
+            unsupported = self._beyond_vllm_triton(roles)
+            if unsupported is None:
+                return self._vllm_triton(e, roles)
+            e.note = f"rounding 'vllm_triton': {unsupported}; the contract's form, rounded to nearest"
         q = e.mul(e.fp32(roles["q"]), roles.get("scale", self.scale), name="q_scaled")  # in fp32, before q·k
         k = e.repeat_heads(e.fp32(roles["k"]), self.groups)
         v = e.repeat_heads(e.fp32(roles["v"]), self.groups)
@@ -146,6 +151,35 @@ class _Attention:
         e.note = "computed in blocks of query rows (the chunked form: fp32 scores never whole in memory)"
         return e.call(torch.ops.rla.attention_chunked.default, q, k, v, bias, remove, fill, how == "causal",
                       self.softcap, budget, name="attention")
+
+    def _beyond_vllm_triton(self, roles: dict[str, Node]) -> str | None:
+        """Why the `vllm_triton` form cannot compute this site (None: it can): it runs vLLM's
+        kernel, which takes causal self-attention with a constant scale and nothing else."""
+        if self.softcap is not None:
+            return "soft-capping is not paired"
+        if "scale" in roles:
+            return "the scale is a run-time value"
+        if self.bias:
+            return "a baddbmm bias is not paired"
+        if not isinstance(self.groups, int):
+            return "the heads' grouping is a run-time value"
+        if self.mask is None:
+            return "attention without a causal mask is not paired (the kernel is causal)"
+        return None
+
+    def _vllm_triton(self, e: Emitter, roles: dict[str, Node]) -> Node:
+        """vLLM's Triton kernel on the trainer's batch (sites/attention/vllm_triton.py): one op
+        on q, k, v as the model holds them, the mask as an additive fp32 bias unless causal."""
+        from . import vllm_triton  # noqa: F401  registers torch.ops.rla.vllm_triton_attention
+
+        bias = None
+        if self.mask.how == "add":
+            bias = e.fp32(roles["mask"])
+        elif self.mask.how != "causal":  # a bool or filled mask, as the bias it amounts to
+            bias = self.mask.apply(e, e.call(aten.zeros_like.default, roles["mask"], dtype=torch.float32), roles)
+        e.note = "computed by vLLM's Triton unified_attention kernel on the trainer's batch (rounding 'vllm_triton')"
+        return e.call(torch.ops.rla.vllm_triton_attention.default, roles["q"], roles["k"], roles["v"], self.scale, bias,
+                      name="attention")
 
     def _vllm_cpu_vec(self, e: Emitter, q: Node, k: Node, v: Node, roles: dict[str, Node]) -> Node:
         """The contract in vLLM-CPU's `vec` kernel order (sites/attention/vllm_cpu.py): one op,
@@ -373,6 +407,7 @@ SITE = Site(
     # its output rounding is to nearest or toward zero, by how vLLM was built for this CPU: measured
     engine_rounding="cpu_attention",
     # the trainer's attention in the fp32 order of vLLM-CPU's vec kernel, rounded as its build rounds
-    # on this CPU (sites/attention/vllm_cpu.py; the probe pairs it when equal)
-    engine_forms={"vllm_cpu_vec": vec_output_rounding},
+    # on this CPU (sites/attention/vllm_cpu.py; the probe pairs it when equal); on CUDA, vLLM's
+    # Triton kernel (TRITON_ATTN) run on the trainer's batch (sites/attention/vllm_triton.py)
+    engine_forms={"vllm_cpu_vec": vec_output_rounding, "vllm_triton": "nearest"},
 )

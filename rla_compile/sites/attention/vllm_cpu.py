@@ -50,6 +50,7 @@ import math
 import torch
 
 from ... import native
+from . import chunked
 from .chunked import safe_softmax
 
 __all__ = ["attention", "kv_tile", "variant", "implementation"]
@@ -268,8 +269,20 @@ def _kernel():
     function.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, pointer, pointer,
-                         ctypes.c_int, pointer]
+                         ctypes.c_int, pointer, size, size]
     return function
+
+
+@functools.cache
+def _pool(threads: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(threads, thread_name_prefix="rla_vllm_cpu_vec")
+
+
+# Below this many scores (heads x tokens x tokens) a request runs on the calling thread: a
+# thread pool's hand-off costs more than it saves.
+_THREADED_FROM = 1 << 18
 
 
 def implementation() -> str:
@@ -295,10 +308,19 @@ def _one_request_c(q, k, v, bias, fused: bool, threads: int, l2: int):
     bias = None if bias is None else bias.contiguous()
     tiles, limits = _blocks(tokens, dim, bias is None, threads, l2)
     out = torch.empty(heads, tokens, v.shape[-1])
-    status = _kernel()(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if bias is None else bias.data_ptr(),
-                       1 if bias is None else bias.shape[0], heads, tokens, dim, v.shape[-1], tiles.data_ptr(),
-                       limits.data_ptr(), int(fused), out.data_ptr())
-    if status:
+
+    def run(first: int, last: int) -> int:  # ctypes lets go of the GIL during the call
+        return _kernel()(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if bias is None else bias.data_ptr(),
+                         1 if bias is None else bias.shape[0], heads, tokens, dim, v.shape[-1], tiles.data_ptr(),
+                         limits.data_ptr(), int(fused), out.data_ptr(), first, last)
+
+    workers = min(torch.get_num_threads(), heads) if heads * tokens * tokens >= _THREADED_FROM else 1
+    if workers > 1:  # the heads shared out over the threads ATen uses (the kernel's own parallelism)
+        cuts = [heads * w // workers for w in range(workers + 1)]
+        statuses = list(_pool(workers).map(run, cuts[:-1], cuts[1:]))
+    else:
+        statuses = [run(0, heads)]
+    if any(statuses):
         raise MemoryError(f"rla's vllm_cpu_vec attention could not allocate its buffers ({tokens} tokens)")
     return out
 
@@ -377,13 +399,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
                          f"over {k.shape[-2]} keys; use rounding 'toward_zero' (the contract's form) here")
     fused, threads, l2 = variant() == "avx512", torch.get_num_threads(), _l2_bytes()
     one_request = _one_request_c if implementation() == "c" else _one_request
-    out, _ = _contract(q, k, v, bias, causal)  # rows the kernel never sees (left padding) keep the contract's
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
     for b in range(q.shape[0]):
         first = 0 if bias is None else _leading_masked(bias[b:b + 1])[0]
+        if first:  # rows the kernel never sees (left padding) keep the contract's
+            out[b, :, :first] = _contract_rows(q[b:b + 1], k[b:b + 1], v[b:b + 1], bias[b:b + 1], causal, first)[0]
         rows = slice(first, None)
         own = None if bias is None else bias[b, :, rows, rows]
         out[b, :, rows] = one_request(q[b, :, rows], k[b, :, rows], v[b, :, rows], own, fused, threads, l2)
     return out
+
+
+def _contract_rows(q, k, v, bias, causal: bool, rows: int):
+    """The contract's output for the first `rows` query rows, as in the whole product: computed
+    over at least `chunked.MIN_ROWS` rows (a product of 1-3 rows takes another GEMM kernel)."""
+    upto = min(q.shape[-2], max(rows, chunked.MIN_ROWS))
+    return _contract(q[..., :upto, :], k, v, None if bias is None else bias[..., :upto, :], causal)[0][..., :rows, :]
 
 
 @attention.register_fake
@@ -398,8 +429,14 @@ def _setup(ctx, inputs, output):
 
 
 def _contract_backward(ctx, grad):
-    """Autograd's formulas over the contract's forward (matmul, softmax, matmul), P recomputed."""
+    """The contract site's backward at this size: autograd's formulas over the contract's forward
+    (matmul, softmax, matmul), P recomputed whole; where the scores would exceed
+    `chunked.CHUNK_ABOVE_BYTES` (the size above which the site emits its chunked form), the
+    chunked form's backward, P recomputed one block of query rows at a time."""
     q, k, v, bias = ctx.saved_tensors
+    if math.prod(q.shape[:-1]) * k.shape[-2] * 4 > chunked.CHUNK_ABOVE_BYTES:
+        grad_q, grad_k, grad_v, _ = chunked.backward(grad.contiguous(), q, k, v, bias, None, 0.0, ctx.causal, None, False)
+        return grad_q, grad_k, grad_v, None, None
     _, probs = _contract(q, k, v, bias, ctx.causal)
     grad_v = torch.matmul(probs.transpose(-1, -2), grad)
     grad_scores = torch._softmax_backward_data(torch.matmul(grad, v.transpose(-1, -2)), probs, -1, torch.float32)
