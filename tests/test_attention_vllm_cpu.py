@@ -179,6 +179,32 @@ def test_site_runs_the_form_and_keeps_the_contracts_gradient():
     assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "left-padded"])
+def test_long_sequences_backward_in_blocks_over_the_keys_a_block_keeps(padded):
+    """Above the chunked form's threshold the backward runs one block of query rows at a time,
+    each over the keys up to the last one its rows keep (`_backward_in_blocks`): its gradients
+    are autograd's over the contract in float64 to fp32's precision (blocks of 16 rows here, the
+    keys after each block's last row skipped, a left-padded sequence's mask too)."""
+    q, k, v = (t.double().float() for t in _inputs(batch=2, heads=2, tokens=80, dim=16))
+    bias, causal = None, True
+    if padded:
+        bias = torch.zeros(2, 1, 80, 80).masked_fill(torch.ones(80, 80, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+        bias[1, :, :, :11] = torch.finfo(torch.float32).min
+        bias[1, :, :11, :] = 0.0  # HF unmasks the padding rows
+        causal = False
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    got = vec._backward_in_blocks(grad, q, k, v, bias, causal, budget=16 * 2 * 2 * 80 * 4)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    scores = leaves[0] @ leaves[1].transpose(-1, -2)
+    if causal:
+        scores = scores.masked_fill(torch.ones(80, 80, dtype=torch.bool).triu(1), -math.inf)
+    else:
+        scores = scores + bias.double()
+    (torch.softmax(scores, -1) @ leaves[2]).backward(grad.double())
+    for mine, ref_leaf in zip(got, leaves):
+        assert ((mine.double() - ref_leaf.grad).abs().max() / ref_leaf.grad.abs().max()) < 1e-5
+
+
 def test_soft_capped_attention_keeps_the_contracts_form_and_says_so():
     def capped(q, k, v):
         s = torch.matmul(q, k.transpose(2, 3)) * 0.25
