@@ -12,7 +12,8 @@ trick), so rla must make it read the rounded value.
   buffer, which the cache cannot serve), upcast in the reader's kernel: half the bytes.
 - "rla (fp64 upcasts)", tried: the upcast widens through fp64 (bf16 -> fp64 -> fp32, both
   exact) inside the reader's kernel; the cache only serves `convert<float>(bf16)`. Fewer
-  kernels, but at Qwen3-0.6B's width the fused q/k norm + RoPE kernel ran about 3x slower.
+  kernels, but at Qwen3-0.6B's width the fused q/k norm + RoPE kernel ran about 3x slower on an
+  AVX2 EPYC (1.04x the step on an AVX-512 one, stop 45).
 - "rla (prims fallback)", rla before stop 33: the upcast as a per-node fallback of the
   post-grad graph's `prims.convert_element_type`, which runs the prim's Python reference on
   every call (0.1-0.6 ms of host time each, where ATen's `_to_copy` takes 10 us): invisible

@@ -120,3 +120,17 @@ assert "blocks of query rows" in backend.reports[0].sites[0].reason
 scores = (q.float() * 32 ** -0.5) @ k.float().transpose(-1, -2)
 whole = torch.softmax(scores.masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), float("-inf")), -1) @ v.float()
 assert torch.equal(blocked, whole.bfloat16())  # the output: the contract's, bit for bit
+
+# 8. On CUDA, paired with vLLM's TRITON_ATTN backend: rounding "vllm_triton" runs vLLM's own
+#    Triton attention kernel (imported from the installed vLLM) on the trainer's batch, laid out
+#    as vLLM lays out a prefill batch, so the trainer's attention is the engine's, bit for bit
+#    (docs/contract.md#vllm-triton, docs/vllm.md#gpu-attention). The rewrite is the same
+#    anywhere; the kernel runs where vLLM and a GPU are: elsewhere the op says what is missing.
+torch._dynamo.reset()
+backend = rla_compile.Backend(sites=["attention"], rounding={"attention": "vllm_triton"}, compiler="aot_eager")
+try:
+    torch.compile(attend, backend=backend)(*(torch.randn(1, 2, 16, 32).bfloat16() for _ in range(3)))
+except Exception as error:  # no vLLM here, or a CPU (Triton has no CPU backend): the kernel cannot run
+    print("vllm_triton needs vLLM's kernel on a GPU here:", str(error).splitlines()[0][:120])
+print(backend.reports[0].sites[0].reason)
+assert "vLLM's Triton unified_attention kernel" in backend.reports[0].sites[0].reason

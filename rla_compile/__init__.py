@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-__version__ = "0.3.3"
+__version__ = "0.3.4"
 
 # public name -> the submodule that defines it
 _PUBLIC = {
