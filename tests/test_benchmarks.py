@@ -65,14 +65,22 @@ def test_moe_cost_smoke(tmp_path):
 
 @pytest.mark.bench
 def test_upcasts_before_after_smoke(tmp_path):
-    done = _run("upcasts_before_after", "--sizes", "small", "--modes", "inference", "--reps", "1", "--json", "u.json",
-                cwd=tmp_path)
+    """The tiny Qwen3 (its q/k norms feed RoPE in one kernel): rla's rounding kept inside the
+    kernel makes as many kernels as plain Inductor and no upcast call; the ATen upcasts it
+    replaced are 2 calls a layer, each splitting a kernel."""
+    done = _run("upcasts_before_after", "--sizes", "qwen3-host", "--modes", "inference", "--reps", "1", "--json",
+                "u.json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     (result,) = json.loads((tmp_path / "u.json").read_text())["results"]
-    assert set(result["ratio_vs_inductor"]) == {"inductor", "rla (ATen upcasts)", "rla (bf16 copy)", "rla (fp64 upcasts)",
-                                                "rla (prims fallback)", "inductor again"}
-    times = result["times_s"]
+    assert set(result["ratio_vs_inductor"]) == {"inductor", "rla (rounding in kernel)", "rla (ATen upcasts)",
+                                                "rla (bf16 copy)", "rla (fp64 upcasts)", "rla (prims fallback)",
+                                                "inductor again"}
+    times, calls = result["times_s"], result["calls"]
     assert max(times["inductor"]) < 50 * min(times["rla (fp64 upcasts)"])  # no compile inside the timed steps
+    assert calls["rla (rounding in kernel)"]["generated_kernels"] == calls["inductor"]["generated_kernels"]
+    assert "rla::upcast" not in calls["rla (rounding in kernel)"]["op_calls_by_name"]
+    assert calls["rla (ATen upcasts)"]["op_calls_by_name"]["rla::upcast"] == 8  # 4 layers: q and k
+    assert calls["rla (ATen upcasts)"]["generated_kernels"] > calls["inductor"]["generated_kernels"]
 
 
 @pytest.mark.bench

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,8 @@ def blocks(page: Path) -> list[Block]:
         fence = re.match(r"^(\s*)```(.*)$", lines[i])
         if fence:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-            found.append(Block(page, i + 1, fence.group(2).strip(), "\n".join(lines[i + 1:end]) + "\n"))
+            code = textwrap.dedent("\n".join(lines[i + 1:end]) + "\n")  # a block inside a list item is indented
+            found.append(Block(page, i + 1, fence.group(2).strip(), code))
             i = end
         i += 1
     return found
