@@ -54,3 +54,23 @@ def test_without_vllm_the_form_says_what_to_install():
     q = torch.randn(1, 2, 4, 8).bfloat16()
     with pytest.raises(RuntimeError, match="Install the vllm your engine runs"):
         torch.ops.rla.vllm_triton_attention(q, q, q, 0.35, None)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "left-padded"])
+def test_the_cuda_backward_is_sdpas_gradient_of_the_same_attention(padded):
+    """`sdpa_backward`, the form's backward on CUDA (flash or memory-efficient there; SDPA's math
+    kernel on this CPU), gives the contract's gradients to bf16's precision: grouped heads
+    summed back per KV head, the causal flag or HF's padding mask."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 24, 16, generator=gen).bfloat16()
+    k, v = (torch.randn(2, 2, 24, 16, generator=gen).bfloat16() for _ in range(2))
+    grad = torch.randn(2, 4, 24, 16, generator=gen)
+    mask = hf_mask(2, 24, [(0, 24), (5, 24)]) if padded else None
+    got = vllm_triton.sdpa_backward(grad, q, k, v, 0.25, mask)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    scores = (leaves[0] * 0.25) @ leaves[1].repeat_interleave(2, 1).transpose(-1, -2)
+    scores = scores + mask.double() if padded else scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), -math.inf)
+    (torch.softmax(scores, -1) @ leaves[2].repeat_interleave(2, 1)).backward(grad.double())
+    for mine, ref in zip(got, leaves):
+        assert mine.dtype == torch.bfloat16 and mine.shape == ref.shape
+        assert float((mine.double() - ref.grad).norm() / ref.grad.norm()) < 0.01

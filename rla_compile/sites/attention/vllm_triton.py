@@ -25,9 +25,11 @@ soft-capping, sliding windows and a run-time scale keep the contract's form (the
 so). Query rows outside a sequence's tokens (padding) keep the contract's output.
 
 Backward: the gradient of that forward with P's rounding taken as the identity, as
-FlashAttention's own backward does: the contract's backward over P recomputed in fp32
-(`chunked.backward`, in blocks of query rows), heads summed back for grouped queries, each
-gradient rounded once to its input's dtype.
+FlashAttention's own backward does. On CUDA it is SDPA's backward (flash, or the
+memory-efficient kernel with a padding mask) over a recomputed forward (`sdpa_backward`), at
+about a fused kernel's cost; elsewhere (the interpreter tests) the contract's backward over P
+recomputed in fp32 (`chunked.backward`, in blocks of query rows). Heads are summed back for
+grouped queries; each gradient is rounded once to its input's dtype.
 
 The kernel is vLLM's, imported from the installed `vllm` (the version the engine runs): rla
 ships no copy of it. Pairing (`integrations.vllm_kernels.paired_attention_form`) selects this
@@ -179,9 +181,12 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    """The contract's backward (P recomputed in fp32, blocks of query rows), q's gradient
-    through its scale, the repeated heads' gradients summed per KV head."""
+    """On CUDA, SDPA's own backward (`sdpa_backward`); elsewhere the contract's (P recomputed in
+    fp32, blocks of query rows), q's gradient through its scale, the repeated heads' gradients
+    summed per KV head."""
     q, k, v, bias = ctx.saved_tensors
+    if q.is_cuda:
+        return (*sdpa_backward(grad, q, k, v, ctx.scale, bias), None, None)
     groups = q.shape[1] // k.shape[1]
     qf = q.float() * ctx.scale
     kf, vf = (x.float().repeat_interleave(groups, 1) for x in (k, v))
@@ -193,6 +198,26 @@ def _backward(ctx, grad):
 
     return ((grad_q * ctx.scale).to(q.dtype), per_kv_head(grad_k).to(k.dtype), per_kv_head(grad_v).to(v.dtype),
             None, None)
+
+
+def sdpa_backward(grad, q, k, v, scale: float, bias):
+    """The gradients of SDPA's forward on q, k, v in their dtype (heads repeated, summed back per
+    KV head), by SDPA's backward over a recomputed forward: on CUDA flash attention's (causal) or
+    the memory-efficient kernel's (a padding mask), whose forward, like vLLM's Triton kernel,
+    rounds P to the value dtype before P · V; their backward recomputes P in fp32, so P's
+    rounding passes as the identity, as in the contract's backward. About a fused forward and
+    backward's time, where the contract's fp32 products cost several times that on a GPU."""
+    groups = q.shape[1] // k.shape[1]
+    leaves = [x.detach().requires_grad_() for x in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))]
+    with torch.enable_grad():
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *leaves, attn_mask=None if bias is None else bias.to(q.dtype), is_causal=bias is None, scale=scale)
+        grad_q, grad_k, grad_v = torch.autograd.grad(out, leaves, grad.to(out.dtype))
+
+    def per_kv_head(g):
+        return g.unflatten(1, (k.shape[1], groups)).float().sum(2).to(k.dtype)
+
+    return grad_q, per_kv_head(grad_k), per_kv_head(grad_v)
 
 
 attention.register_autograd(_backward, setup_context=_setup)
