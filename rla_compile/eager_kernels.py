@@ -209,7 +209,7 @@ _define("eager_softmax(Tensor x, int dim) -> Tensor", lambda x, dim: torch.ops.a
 _define("eager_gelu(Tensor x) -> Tensor", lambda x: torch.ops.aten.gelu.default(x))
 _define("upcast(Tensor x, ScalarType dtype) -> Tensor", lambda x, dtype: torch.ops.aten._to_copy.default(x, dtype=dtype))
 # A site's rounding that a widening cast reads in the same generated kernel: `x.to(dtype)` here;
-# Inductor lowers it to a rounding written out in integer arithmetic (`lowering.round_in_kernel`).
+# Inductor lowers it to the rounding written out in fp32 (`lowering.round_in_kernel`).
 _define("rounding(Tensor x, ScalarType dtype) -> Tensor", lambda x, dtype: torch.ops.aten._to_copy.default(x, dtype=dtype))
 
 

@@ -3,8 +3,7 @@ backend, vLLM's post-grad pass) apply after the rewrite so that Inductor compute
 
 - every site rounding carries Inductor's rounding barrier (fusion would otherwise drop it);
 - unpinned, a rounded site output that a widening cast reads in the same generated kernel is
-  rounded in integer arithmetic there (`round_in_kernel`; fp16 outputs: the upcast runs on ATen,
-  `upcast_on_aten`), or the rounding is stored before the kernel boundary that its reader waits
+  rounded there, written out in fp32 (`round_in_kernel`), or the rounding is stored before the kernel boundary that its reader waits
   for (`_kernel_apart`); RoPE's cos/sin tables run on ATen (`position_tables`), as an engine
   computes its table;
 - pinned (`pin_rounding`, Inductor's `emulate_precision_casts`), the fp32 math a rounding reads
@@ -12,6 +11,8 @@ backend, vLLM's post-grad pass) apply after the rewrite so that Inductor compute
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -53,8 +54,8 @@ class KeepSiteRounding(CustomGraphPass):
 def keep_site_roundings(graph: Graph) -> None:
     """What both compiled paths (this backend, vLLM's pass) do to a post-grad graph so that
     Inductor computes the contract: every site rounding carries the rounding barrier; unpinned,
-    a rounded site output that an upcast reads in the same kernel is rounded in integer
-    arithmetic (`_upcasts_of`, `round_in_kernel`; `upcast_on_aten` where that cannot apply);
+    a rounded site output that an upcast reads in the same kernel is rounded there, written out
+    in fp32 (`_upcasts_of`, `round_in_kernel`; `upcast_on_aten` where that cannot apply);
     pinned, the fp32 math a rounding reads runs on ATen (`pin_eager_math`)."""
     from torch._inductor import config as inductor_config
 
@@ -87,48 +88,63 @@ def position_tables(graph: Graph) -> list:
 
 
 def round_in_kernel(rounding) -> bool:
-    """Make `rounding` (fp32 -> bf16) `rla::rounding`, which Inductor lowers to the rounding written
-    out on the fp32 bits (`_round_to_bf16_bits`) before the cast to bf16, in the generated kernel
-    (C++ and Triton alike). Returns False, changing nothing, where that does not apply (an fp16
-    or non-fp32 rounding): the caller runs the upcast on ATen instead.
+    """Make `rounding` (fp32 -> bf16 or fp16) `rla::rounding`, which Inductor lowers to the
+    rounding written out in fp32 (`_rounded_in_fp32`) before the cast, in the generated kernel
+    (C++ and Triton alike). Returns False, changing nothing, where that does not apply (a
+    rounding from another dtype than fp32): the caller runs the upcast on ATen instead.
 
     Why: unpinned, a widening cast that reads the rounded value in the same kernel (Qwen3's q/k
     norm into RoPE) gets the fp32 value the rounding came from. Inductor's C++ kernels compute
-    bf16 values in fp32, and the `to_dtype` that its loop-body legalisation inserts before a
-    bf16 store caches "upcast of the stored value = the fp32 value" (torch/_inductor/codegen/cpp.py,
-    `cache_dtype_convert`), off only under `emulate_precision_casts`. Here the value before that
-    cast is already the rounded one, so whatever the kernel hands the reader is the contract's.
-    Before, the upcast ran on ATen (`upcast_on_aten`): an extra call and kernel per upcast, the
-    host time a GPU waits on (docs/performance.md#host-time)."""
+    bf16/fp16 values in fp32, and the `to_dtype` that its loop-body legalisation inserts before a
+    low-precision store caches "upcast of the stored value = the fp32 value"
+    (torch/_inductor/codegen/cpp.py, `cache_dtype_convert`), off only under
+    `emulate_precision_casts`. Here the value before that cast is already the rounded one, so
+    whatever the kernel hands the reader is the contract's. Before, the upcast ran on ATen
+    (`upcast_on_aten`): an extra call and kernel per upcast, the host time a GPU waits on
+    (docs/performance.md#host-time)."""
     source = rounding.args[0] if rounding.args else None
     if rounding.target is torch.ops.rla.rounding.default:
         return True
-    if ops.dtype_of(rounding) != torch.bfloat16 or ops.dtype_of(source) != torch.float32 or not ops.is_cast(rounding):
+    dtype = ops.dtype_of(rounding)
+    if dtype not in ops.LOW_PRECISION or ops.dtype_of(source) != torch.float32 or not ops.is_cast(rounding):
         return False
-    rounding.target, rounding.args, rounding.kwargs = torch.ops.rla.rounding.default, (source, torch.bfloat16), {}
+    rounding.target, rounding.args, rounding.kwargs = torch.ops.rla.rounding.default, (source, dtype), {}
     return True
 
 
-def _round_to_bf16_bits(value):
-    """fp32 `value` rounded to bf16's precision to nearest, ties to even, still in fp32, as
-    Inductor ops on its bits: add 0x7FFF plus the lowest kept bit, clear the 16 dropped bits;
-    the carry makes overflow inf. NaN stays NaN. This is c10::BFloat16's and ATen's conversion
-    (`round_to_nearest_even`); subnormals included (bf16 has fp32's exponent range)."""
+def _rounded_in_fp32(value, dtype: torch.dtype):
+    """fp32 `value` rounded to `dtype`'s precision (bf16 or fp16) to nearest, ties to even,
+    still in fp32, as Inductor ops: ATen's conversion (c10's `round_to_nearest_even`, the CPU's
+    conversion instructions), NaN kept, subnormals and overflow to inf included.
+
+    On the bits: add 0x7FFF (bf16; fp16: 0xFFF) plus the lowest kept bit, clear the dropped 16
+    (13) bits; the carry moves the exponent, and for bf16 (fp32's exponent range) makes overflow
+    inf. fp16 has its own range: above its largest finite value (65504) the result is inf, and
+    below its smallest normal (2^-14) the quantum is 2^-24 whatever the exponent, so there the
+    value is scaled by 2^24 (exact), rounded to an integer, ties to even, and scaled back."""
     from torch._inductor.virtualized import ops as kernel
 
-    def int32(v):
-        return kernel.constant(v, torch.int32)
+    def const(v, type_=torch.int32):
+        return kernel.constant(v, type_)
 
+    dropped = 16 if dtype == torch.bfloat16 else 13
     bits = kernel.to_dtype_bitcast(value, torch.int32, torch.float32)
-    kept_lsb = kernel.bitwise_and(kernel.bitwise_right_shift(bits, int32(16)), int32(1))
-    bits = kernel.bitwise_and(kernel.add(kernel.add(bits, int32(0x7FFF)), kept_lsb), int32(-0x10000))
-    rounded = kernel.to_dtype_bitcast(bits, torch.float32, torch.int32)
+    kept_lsb = kernel.bitwise_and(kernel.bitwise_right_shift(bits, const(dropped)), const(1))
+    bits = kernel.add(kernel.add(bits, const((1 << (dropped - 1)) - 1)), kept_lsb)
+    rounded = kernel.to_dtype_bitcast(kernel.bitwise_and(bits, const(-(1 << dropped))), torch.float32, torch.int32)
+    if dtype == torch.float16:
+        magnitude = kernel.abs(value)
+        subnormal = kernel.mul(kernel.round(kernel.mul(value, const(2.0 ** 24, torch.float32))),
+                               const(2.0 ** -24, torch.float32))
+        rounded = kernel.where(kernel.lt(magnitude, const(2.0 ** -14, torch.float32)), subnormal, rounded)
+        overflow = kernel.gt(kernel.abs(rounded), const(65504.0, torch.float32))
+        rounded = kernel.where(overflow, kernel.mul(value, const(math.inf, torch.float32)), rounded)
     return kernel.where(kernel.ne(value, value), value, rounded)
 
 
 def _lower_round(x, dtype):
-    """Inductor's lowering of `rla::rounding` (bf16 out of fp32): a pointwise node like any cast,
-    which fuses with its neighbours."""
+    """Inductor's lowering of `rla::rounding` (bf16 or fp16 out of fp32): a pointwise node like
+    any cast, which fuses with its neighbours."""
     from torch._inductor import ir
 
     load = x.make_loader()
@@ -136,7 +152,7 @@ def _lower_round(x, dtype):
     def inner_fn(index):
         from torch._inductor.virtualized import ops as kernel
 
-        return kernel.to_dtype(_round_to_bf16_bits(load(index)), dtype, src_dtype=torch.float32)
+        return kernel.to_dtype(_rounded_in_fp32(load(index), dtype), dtype, src_dtype=torch.float32)
 
     return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=list(x.get_size()))
 

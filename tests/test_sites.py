@@ -241,38 +241,50 @@ def test_roundings_read_in_their_kernel_are_rounded_there_and_calls_have_no_pyth
             if f"rla::{name}" in OPDEFS] == []
 
 
-def _bit_patterns() -> torch.Tensor:
-    """fp32 bit patterns of every kind a rounding to bf16 meets: random ones (every exponent,
-    both signs), each with its 16 dropped bits set to the cases of round-to-nearest-even (below,
+def _bit_patterns(dtype: torch.dtype) -> torch.Tensor:
+    """fp32 bit patterns of every kind a rounding to `dtype` meets: random ones (every exponent,
+    both signs; for fp16 also ones concentrated on its range, 2^-27 to 2^17), each with its
+    dropped bits (16 for bf16, 13 for fp16) set to the cases of round-to-nearest-even (below,
     at and above a tie, zero, all ones), and the special values (zeros, subnormals, the largest
-    finite numbers, which round to inf, infinities, NaNs). 2^16 + 7 of each: both the vector
-    loop and its scalar tail."""
+    finite numbers and those that round to inf, infinities, NaNs). 2^16 + 7 of each: both the
+    vector loop and its scalar tail."""
     gen = torch.Generator().manual_seed(0)
-    high = torch.randint(0, 1 << 16, ((1 << 16) + 7,), generator=gen, dtype=torch.int64) << 16
-    dropped = [0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF]
+    dropped = 16 if dtype == torch.bfloat16 else 13
+    count = (1 << 16) + 7
+    high = [torch.randint(0, 1 << (32 - dropped), (count,), generator=gen, dtype=torch.int64) << dropped]
+    if dtype == torch.float16:  # sign, exponents 100-144, random kept mantissa bits
+        sign = torch.randint(0, 2, (count,), generator=gen, dtype=torch.int64) << 31
+        exponent = torch.randint(100, 145, (count,), generator=gen, dtype=torch.int64) << 23
+        high.append(sign | exponent | (torch.randint(0, 1 << (23 - dropped), (count,), generator=gen) << dropped))
+    half = 1 << (dropped - 1)
+    low = [0, half - 1, half, half + 1, (1 << dropped) - 1]
     special = [0x00000000, 0x80000000, 0x00000001, 0x00008000, 0x00018000, 0x007FFFFF, 0x00800000, 0x7F7F7FFF,
                0x7F7F8000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF,
-               0x3F808000, 0x3F818000]
-    bits = torch.cat([high | d for d in dropped] + [torch.tensor(special, dtype=torch.int64)])
+               0x3F808000, 0x3F818000, 0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0xC77FF000, 0x38800000,
+               0x387FFFFF, 0x33800000, 0x33000000, 0x33000001, 0x33400000, 0xB3000001]
+    bits = torch.cat([h | d for h in high for d in low] + [torch.tensor(special, dtype=torch.int64)])
     return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32)  # as signed 32-bit
 
 
-def test_rounding_in_kernel_is_atens_conversion_on_every_kind_of_value():
-    """`rla::rounding` as Inductor lowers it (`lowering._round_to_bf16_bits`, the rounding written
-    out on the fp32 bits) against ATen's fp32 -> bf16 conversion, bit for bit (NaN as NaN), both
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_rounding_in_kernel_is_atens_conversion_on_every_kind_of_value(dtype):
+    """`rla::rounding` as Inductor lowers it (`lowering._rounded_in_fp32`, the rounding written
+    out in fp32) against ATen's fp32 -> bf16/fp16 conversion, bit for bit (NaN as NaN), both
     stored and upcast again by a reader fused into the same kernel (the reader Inductor's
-    cache would otherwise hand the unrounded value)."""
-    x = _bit_patterns()
-    want = x.to(torch.bfloat16)
+    cache would otherwise hand the unrounded value): ties each way, subnormals, overflow to inf
+    (fp16: above 65504), fp16's subnormal range."""
+    x = _bit_patterns(dtype)
+    want = x.to(dtype)
     torch._dynamo.reset()
     try:
         with inductor_config.patch(fx_graph_cache=False):
-            stored = torch.compile(lambda v: torch.ops.rla.rounding(v, torch.bfloat16), backend="inductor")(x)
-            read = torch.compile(lambda v: torch.ops.rla.rounding(v, torch.bfloat16).float() * 3, backend="inductor")(x)
+            stored = torch.compile(lambda v: torch.ops.rla.rounding(v, dtype), backend="inductor")(x)
+            read = torch.compile(lambda v: torch.ops.rla.rounding(v, dtype).float() * 3, backend="inductor")(x)
     finally:
         torch._dynamo.reset()
     nan = want.isnan()
-    assert torch.equal(stored.isnan(), nan) and torch.equal(stored[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert stored.dtype == dtype and torch.equal(stored.isnan(), nan)
+    assert torch.equal(stored[~nan].view(torch.int16), want[~nan].view(torch.int16))
     expected = want.float() * 3
     assert torch.equal(read.isnan(), expected.isnan())
     assert torch.equal(read[~nan].view(torch.int32), expected[~nan].view(torch.int32))
