@@ -196,6 +196,20 @@ def test_callback_pairs_the_trainer_with_the_engines_kernel_when_it_samples_with
     server = SimpleNamespace(use_vllm=True, vllm_mode="server")
     options = Options.from_dict({"sites": sites})
     assert rla_trl.paired_with_engine(options, server) is options
+    # a colocated engine on CUDA: the attention form its backend pairs with, else a warning
+    def engine(backend, device="cuda"):
+        return SimpleNamespace(vllm_config=SimpleNamespace(device_config=SimpleNamespace(device_type=device),
+                                                           attention_config=SimpleNamespace(backend=backend)))
+
+    colocated = SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    options = Options.from_dict({"sites": sites})
+    assert rla_trl.paired_with_engine(options, colocated, engine("TRITON_ATTN")).rounding == {"attention": "vllm_triton"}
+    assert rla_trl.paired_with_engine(options, colocated, engine("FLASH_ATTN")) is options
+    given = Options.from_dict({"sites": sites, "rounding": {"attention": "nearest"}})
+    assert rla_trl.paired_with_engine(given, colocated, engine("TRITON_ATTN")) is given
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(llm=SimpleNamespace(llm_engine=engine("TRITON_ATTN"))))
+    assert rla_trl._colocated_engine(trainer).vllm_config.attention_config.backend == "TRITON_ATTN"
+    assert rla_trl._colocated_engine(SimpleNamespace()) is None
     # sites without an engine kernel never run a probe
     monkeypatch.setitem(vllm_kernels.ROUNDING_PROBES, "cpu_attention", lambda: pytest.fail("probed"))
     options = Options.from_dict({"sites": ["rope"]})

@@ -135,7 +135,7 @@ class RlaCallback(_callback_base()):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise RuntimeError("RlaCallback: the Trainer passed no model to on_train_begin")
-        options = paired_with_engine(self.options, args)
+        options = paired_with_engine(self.options, args, _colocated_engine(getattr(self, "trainer", None)))
         for site in registry.selected(options.sites):
             for hook in site.policy_hooks:
                 POLICY_HOOKS[hook](_unwrap(model), args)
@@ -150,6 +150,13 @@ class RlaCallback(_callback_base()):
         if getattr(self, "_positions", None) is not None:
             self._positions.remove()
             self._positions = None
+
+
+def _colocated_engine(trainer) -> Any:
+    """The vLLM engine a TRL trainer samples with in its own process (`vllm_mode="colocate"`:
+    `trainer.vllm_generation.llm.llm_engine`), or None."""
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    return getattr(llm, "llm_engine", None)
 
 
 def positions_from_mask(model):
@@ -182,17 +189,32 @@ def positions_from_mask(model):
     return model.register_forward_pre_hook(positions, with_kwargs=True)
 
 
-def paired_with_engine(options: Options, args: Any) -> Options:
+def paired_with_engine(options: Options, args: Any, engine: Any = None) -> Options:
     """`options` for a trainer that samples with vLLM (`args.use_vllm`, TRL's config): the
     selected sites whose engine half is one of vLLM's own kernels round as that kernel does on
     this machine, measured (`vllm_kernels.paired_rounding`; attention on vLLM-CPU without
-    AVX512-BF16: toward zero); a `rounding` the user set wins. Otherwise `options` unchanged."""
+    AVX512-BF16: toward zero); a `rounding` the user set wins. Otherwise `options` unchanged.
+
+    `engine`, the colocated engine (vLLM's `LLMEngine`, whose `vllm_config` says its device and
+    attention backend): on CUDA the attention site takes the form that pairs with the engine's
+    backend (`vllm_kernels.paired_attention_form`: "vllm_triton" for TRITON_ATTN), or stays the
+    contract's with a warning that says which setting would pair it."""
     if not getattr(args, "use_vllm", False):
         return options
     from .. import sites as registry
 
     if not any(site.engine_rounding and site.kind not in options.rounding for site in registry.selected(options.sites)):
         return options  # nothing to measure
+    config = getattr(engine, "vllm_config", None)
+    if config is not None and str(getattr(config.device_config, "device_type", "")) == "cuda":
+        from .vllm_kernels import paired_attention_form
+
+        form, why = paired_attention_form(config)
+        if form is None:
+            log.warning("rla: the trainer's attention is not paired with the engine's: %s", why)
+            return options
+        log.info("rla: the trainer's attention runs as the engine's (%s): %s", form, why)
+        return dataclasses.replace(options, rounding={"attention": form, **options.rounding})
     if getattr(args, "vllm_mode", "colocate") != "colocate":
         log.warning("rla: the trainer samples from a vLLM server (vllm_mode=%r): how its attention kernel rounds is "
                     "measured where it runs, not here; run `rla_compile.integrations.vllm.cpu_attention_kernel()` "
@@ -262,6 +284,9 @@ def _add_callback_to_every_trainer(options: Options) -> None:
         handler = getattr(self, "callback_handler", None)
         if handler is not None and not any(isinstance(c, RlaCallback) for c in handler.callbacks):
             self.add_callback(RlaCallback(options))
+        for callback in getattr(handler, "callbacks", ()):
+            if isinstance(callback, RlaCallback):
+                callback.trainer = self  # its colocated vLLM engine, read when training starts
 
     patching.patch(Trainer, "__init__", __init__)  # again: the newest options, never two callbacks
 
