@@ -35,7 +35,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import traceback
 
 if "--smoke" in sys.argv:
@@ -56,16 +55,9 @@ PAIRED = {"qwen3-2048": (1, 16, 8, 2048, 128, 0), "qwen3-4x512-padded": (4, 16, 
 
 
 def _timed_ms(fn, reps: int, device: str) -> float:
-    times = []
-    for _ in range(reps + 2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[2:])
+    """The median of `reps` synced calls (`real_shape._timed`), after 2 untimed ones, in ms."""
+    times = [real_shape._timed(fn, device) for _ in range(reps + 2)]
+    return statistics.median(times[2:]) * 1e3
 
 
 def paired(shape: str, device: str, reps: int) -> dict:
