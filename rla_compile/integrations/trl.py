@@ -214,7 +214,7 @@ def paired_with_engine(options: Options, args: Any, engine: Any = None) -> Optio
             log.warning("rla: the trainer's attention is not paired with the engine's: %s", why)
             return options
         log.info("rla: the trainer's attention runs as the engine's (%s): %s", form, why)
-        return dataclasses.replace(options, rounding={"attention": form, **options.rounding})
+        return dataclasses.replace(options, rounding={registry.attention.SITE.kind: form, **options.rounding})
     if getattr(args, "vllm_mode", "colocate") != "colocate":
         log.warning("rla: the trainer samples from a vLLM server (vllm_mode=%r): how its attention kernel rounds is "
                     "measured where it runs, not here; run `rla_compile.integrations.vllm.cpu_attention_kernel()` "
