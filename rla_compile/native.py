@@ -30,6 +30,13 @@ FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-unsafe-math-optimiz
 # Measured: the experts' GEMM 10.7x faster (139 -> 13 ms at [16, 2048] x [2048, 1536]), equal
 # bit for bit. Left out where the compiler rejects it; the cache key then names the CPU.
 TUNED = ("-march=native",)
+# OpenMP: a kernel that shares its work out over threads uses the OpenMP runtime torch has
+# loaded (libgomp.so.1, by that name: its thread pool, sized by torch.set_num_threads), not a
+# pool of its own that would compete with torch's spinning threads for the cores. Left out
+# where the compiler has no OpenMP; the kernel then runs serially (its callers split the work).
+OPENMP = ("-fopenmp",)
+# the builds tried, best first: each optional set of flags is dropped where the compiler refuses it
+BUILDS = ((*FLAGS, *TUNED, *OPENMP), (*FLAGS, *TUNED), (*FLAGS, *OPENMP), FLAGS)
 
 
 class NativeUnavailable(RuntimeError):
@@ -55,8 +62,9 @@ def load(name: str) -> ctypes.CDLL:
     if not source.is_file():
         raise NativeUnavailable(f"rla_compile/csrc/{name}.c is missing from this installation")
     compiler = _compiler()
-    for flags in ((*FLAGS, *TUNED), FLAGS):
-        key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *flags, _cpu() if flags != FLAGS else "")).encode())
+    for flags in BUILDS:
+        tuned = all(flag in flags for flag in TUNED)
+        key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *flags, _cpu() if tuned else "")).encode())
         target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
         if target.exists():
             return ctypes.CDLL(str(target))

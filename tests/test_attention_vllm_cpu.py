@@ -60,17 +60,41 @@ def test_fast_expf_is_an_exp():
     assert ((got - exact).abs() / exact).max() < 4 * 2.0 ** -23
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["avx2", "avx512"])
+def test_c_exps_are_the_python_forms_on_every_kind_of_value(fused):
+    """The C form's block of exps (AVX-512: its own vector code) against the reference's exps,
+    on 16-lane blocks and their tails: randn and wide arguments, both sides of the clamps and of
+    the underflow to 0, ±0, -inf (a masked key) and a large finite running max subtracted."""
+    assert vec.implementation() == "c"
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4000, generator=g) * 4, torch.rand(4000, generator=g) * 220 - 200,
+                   torch.tensor([0.0, -0.0, -math.inf, 88.72, 88.73, -87.33, -87.34, -103.9, -104.0, 1e-30, -1e-30])])
+    from rla_compile import native
+
+    library = native.load("vllm_cpu_vec")
+    for m in (0.0, 3.5, -1e30):
+        for n in (x.numel(), 13, 1):  # a whole run of blocks, one tail alone, one lane
+            s = x[:n].contiguous()
+            got = torch.empty(n)
+            library.rla_vllm_cpu_vec_exp(ctypes.c_void_p(s.data_ptr()), ctypes.c_int64(n), ctypes.c_float(m),
+                                         ctypes.c_int(int(fused)), ctypes.c_void_p(got.data_ptr()))
+            want = (vec._fast_expf if fused else vec._glibc_expf)(s - m)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (m, n)
+
+
 def _inputs(batch=2, heads=4, tokens=40, dim=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, heads, tokens, dim, generator=g) for _ in range(3)]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["avx2", "avx512"])
-@pytest.mark.parametrize("tokens, dim, spread", [(16, 32, 1.0), (96, 32, 12.0), (300, 64, 1.0), (600, 32, 8.0)])
+@pytest.mark.parametrize("tokens, dim, spread", [(16, 32, 1.0), (40, 24, 4.0), (96, 32, 12.0), (300, 64, 1.0),
+                                                 (600, 32, 8.0)])
 def test_c_form_is_the_python_form_bit_for_bit(tokens, dim, spread, fused):
     """csrc/vllm_cpu_vec.c against `_one_request` (the Python form, checked against vLLM's kernel
     in tests/test_vllm.py): causal and with an additive mask holding masked keys, 1 and 2
-    threads' blocks, randn and wide scores (spread > 1: the running max grows by more than 8)."""
+    threads' blocks, randn and wide scores (spread > 1: the running max grows by more than 8),
+    head sizes in whole 16-lane tiles and not (24: a tile and a tail)."""
     assert vec.implementation() == "c"  # this machine has a C compiler: the C form must build
     g = torch.Generator().manual_seed(tokens)
     q, k, v = (torch.randn(2, tokens, dim, generator=g) for _ in range(3))
@@ -132,6 +156,29 @@ def test_the_c_forms_are_built_for_this_cpu_and_without_it_where_the_compiler_re
     finally:
         for cached in (native.load, vec._kernel, vec._warn_once):
             cached.cache_clear()
+
+
+def test_heads_and_sequences_share_the_threads_and_change_no_bit():
+    """The C form shares its heads out over torch's own OpenMP threads (built with OpenMP, the
+    runtime torch loaded, not a second one); a causal batch runs as one request per sequence, its
+    heads side by side. Neither the thread count nor the batch changes a bit."""
+    import os
+
+    assert vec._openmp()  # gcc here has OpenMP
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as maps:
+            runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libomp" in line}
+        assert len(runtimes) == 1, runtimes
+    q, k, v = _inputs(batch=3, heads=8, tokens=130)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [vec.attention(q[b:b + 1] * 0.2, k[b:b + 1], v[b:b + 1], None, True) for b in range(3)]
+        torch.set_num_threads(2)
+        together = vec.attention(q * 0.2, k, v, None, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.cat(alone).view(torch.int32), together.view(torch.int32))
 
 
 def test_left_padding_leaves_each_sequence_as_it_is_alone():
@@ -203,6 +250,35 @@ def test_long_sequences_backward_in_blocks_over_the_keys_a_block_keeps(padded):
     (torch.softmax(scores, -1) @ leaves[2]).backward(grad.double())
     for mine, ref_leaf in zip(got, leaves):
         assert ((mine.double() - ref_leaf.grad).abs().max() / ref_leaf.grad.abs().max()) < 1e-5
+
+
+def test_above_a_mebibyte_of_scores_the_site_backward_runs_in_blocks_as_one_op():
+    """Past `_WHOLE_BACKWARD_UP_TO` bytes of scores the compiled backward calls the blocked
+    backward as one op (traced, its per-block updates would copy whole gradients), whose
+    gradients are autograd's over the contract in float64 to fp32's precision."""
+    q, k, v = (t.bfloat16() for t in _inputs(batch=1, heads=8, tokens=192, dim=32))
+    assert 8 * 192 * 192 * 4 > vec._WHOLE_BACKWARD_UP_TO
+    causal = torch.ones(192, 192, dtype=torch.bool).triu(1)
+    mask = torch.zeros(1, 1, 192, 192).masked_fill(causal, torch.finfo(torch.bfloat16).min).bfloat16()
+    calls = []
+    real = vec._backward_in_blocks
+    torch._dynamo.reset()
+    backend = rla_compile.Backend(compiler="aot_eager", sites=["attention"], rounding={"attention": "vllm_cpu_vec"})
+    compiled = torch.compile(_attention, backend=backend)
+    weights = torch.randn(1, 8, 192, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vec, "_backward_in_blocks", lambda *a: calls.append(1) or real(*a))
+        for _ in range(2):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            (compiled(*leaves, mask).float() * weights).sum().backward()
+    torch._dynamo.reset()
+    assert len(calls) == 2  # run by each backward (traced, it would have run once, while compiling)
+    grads = [t.grad for t in leaves]
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out = _attention(*leaves, mask.double().masked_fill(causal, -math.inf))
+    (out * weights.double()).sum().backward()
+    for mine, want in zip(grads, leaves):
+        assert ((mine.double() - want.grad).abs().max() / want.grad.abs().max()) < 2 ** -7  # bf16 gradients
 
 
 def test_soft_capped_attention_keeps_the_contracts_form_and_says_so():

@@ -250,9 +250,11 @@ def _lane_sum(p: torch.Tensor, fused: bool) -> torch.Tensor:
     return (t[2] + t[0]) + (t[3] + t[1])
 
 
+@functools.lru_cache(maxsize=64)
 def _blocks(tokens: int, dim: int, causal: bool, threads: int, l2: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query row: its key-block size and where its block loop stops (causal: after the
-    last row with that block size; the blocks past a row's own keys add nothing)."""
+    last row with that block size; the blocks past a row's own keys add nothing). Cached: the
+    callers only read them."""
     tiles = torch.tensor(kv_tile(tokens, dim, threads, l2))
     limits = torch.full_like(tiles, tokens)
     if causal:
@@ -269,8 +271,14 @@ def _kernel():
     function.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, pointer, pointer,
-                         ctypes.c_int, pointer, size, size]
+                         ctypes.c_int, pointer, size, size, ctypes.c_int]
     return function
+
+
+def _openmp() -> bool:
+    """Whether the C form shares its heads out over torch's OpenMP threads itself (built with
+    OpenMP: `native.OPENMP`); else `_one_request_c` splits them over a thread pool."""
+    return bool(native.load("vllm_cpu_vec").rla_vllm_cpu_vec_openmp())
 
 
 @functools.cache
@@ -280,9 +288,9 @@ def _pool(threads: int):
     return ThreadPoolExecutor(threads, thread_name_prefix="rla_vllm_cpu_vec")
 
 
-# Below this many scores (heads x tokens x tokens) a request runs on the calling thread: a
-# thread pool's hand-off costs more than it saves.
-_THREADED_FROM = 1 << 18
+# Below this many scores (heads x tokens x tokens) a request runs on the calling thread: handing
+# work to other threads costs more than it saves.
+_THREADED_FROM = 1 << 16
 
 
 def implementation() -> str:
@@ -308,18 +316,19 @@ def _one_request_c(q, k, v, bias, fused: bool, threads: int, l2: int):
     bias = None if bias is None else bias.contiguous()
     tiles, limits = _blocks(tokens, dim, bias is None, threads, l2)
     out = torch.empty(heads, tokens, v.shape[-1])
+    workers = min(torch.get_num_threads(), heads) if heads * tokens * tokens >= _THREADED_FROM else 1
 
-    def run(first: int, last: int) -> int:  # ctypes lets go of the GIL during the call
+    def run(first: int, last: int, threads: int = 1) -> int:  # ctypes lets go of the GIL during the call
         return _kernel()(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if bias is None else bias.data_ptr(),
                          1 if bias is None else bias.shape[0], heads, tokens, dim, v.shape[-1], tiles.data_ptr(),
-                         limits.data_ptr(), int(fused), out.data_ptr(), first, last)
+                         limits.data_ptr(), int(fused), out.data_ptr(), first, last, threads)
 
-    workers = min(torch.get_num_threads(), heads) if heads * tokens * tokens >= _THREADED_FROM else 1
-    if workers > 1:  # the heads shared out over the threads ATen uses (the kernel's own parallelism)
+    # the heads shared out over the threads ATen uses (the kernel's own parallelism)
+    if workers > 1 and not _openmp():
         cuts = [heads * w // workers for w in range(workers + 1)]
         statuses = list(_pool(workers).map(run, cuts[:-1], cuts[1:]))
     else:
-        statuses = [run(0, heads)]
+        statuses = [run(0, heads, workers)]
     if any(statuses):
         raise MemoryError(f"rla's vllm_cpu_vec attention could not allocate its buffers ({tokens} tokens)")
     return out
@@ -370,16 +379,20 @@ def _leading_masked(bias: torch.Tensor) -> list[int]:
     return last_row.int().cumprod(-1).sum(-1).tolist()
 
 
-def _contract(q, k, v, bias, causal: bool):
-    """The contract's fp32 forward from the scaled q (its probabilities too, for the backward)."""
+def _contract_probs(q, k, bias, causal: bool):
+    """The contract's fp32 probabilities from the scaled q."""
     scores = torch.matmul(q, k.transpose(-1, -2))
     if causal:
         rows, cols = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu(1), -math.inf)
     if bias is not None:
         scores = scores + bias
-    probs = safe_softmax(scores)  # a row every key of which is masked (left padding): P = 0, as SDPA
-    return torch.matmul(probs, v), probs
+    return safe_softmax(scores)  # a row every key of which is masked (left padding): P = 0, as SDPA
+
+
+def _contract(q, k, v, bias, causal: bool):
+    """The contract's fp32 forward from the scaled q."""
+    return torch.matmul(_contract_probs(q, k, bias, causal), v)
 
 
 @torch.library.custom_op("rla::vllm_cpu_vec_attention", mutates_args=(), device_types="cpu")
@@ -399,14 +412,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
                          f"over {k.shape[-2]} keys; use rounding 'toward_zero' (the contract's form) here")
     fused, threads, l2 = variant() == "avx512", torch.get_num_threads(), _l2_bytes()
     one_request = _one_request_c if implementation() == "c" else _one_request
+    if bias is None:  # causal, unpadded: each sequence a request of its own, all heads side by side
+        out = one_request(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), None, fused, threads, l2)
+        return out.view(*q.shape[:-1], v.shape[-1])
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
-    for b in range(q.shape[0]):
-        first = 0 if bias is None else _leading_masked(bias[b:b + 1])[0]
+    for b, first in enumerate(_leading_masked(bias)):
         if first:  # rows the kernel never sees (left padding) keep the contract's
             out[b, :, :first] = _contract_rows(q[b:b + 1], k[b:b + 1], v[b:b + 1], bias[b:b + 1], causal, first)[0]
         rows = slice(first, None)
-        own = None if bias is None else bias[b, :, rows, rows]
-        out[b, :, rows] = one_request(q[b, :, rows], k[b, :, rows], v[b, :, rows], own, fused, threads, l2)
+        out[b, :, rows] = one_request(q[b, :, rows], k[b, :, rows], v[b, :, rows], bias[b, :, rows, rows], fused,
+                                      threads, l2)
     return out
 
 
@@ -414,7 +429,7 @@ def _contract_rows(q, k, v, bias, causal: bool, rows: int):
     """The contract's output for the first `rows` query rows, as in the whole product: computed
     over at least `chunked.MIN_ROWS` rows (a product of 1-3 rows takes another GEMM kernel)."""
     upto = min(q.shape[-2], max(rows, chunked.MIN_ROWS))
-    return _contract(q[..., :upto, :], k, v, None if bias is None else bias[..., :upto, :], causal)[0][..., :rows, :]
+    return _contract(q[..., :upto, :], k, v, None if bias is None else bias[..., :upto, :], causal)[..., :rows, :]
 
 
 @attention.register_fake
@@ -428,15 +443,23 @@ def _setup(ctx, inputs, output):
     ctx.causal = causal
 
 
+# Up to this many bytes of fp32 scores the backward recomputes P whole (the contract site's
+# gradients bit for bit); above, one block of query rows at a time over the keys the block keeps,
+# which skips the causal half: 0.63x the whole backward's time at 256 tokens, 16 heads, head
+# size 128 (10.7 against 17.0 ms), 0.43x at 512, on the 2-core EPYC of docs/performance.md;
+# at 64 tokens blocks cost 2.5x the whole.
+_WHOLE_BACKWARD_UP_TO = 1 << 20
+
+
 def _contract_backward(ctx, grad):
-    """The contract site's backward at this size: autograd's formulas over the contract's forward
-    (matmul, softmax, matmul), P recomputed whole; where the scores would exceed
-    `chunked.CHUNK_ABOVE_BYTES` (the size above which the site emits its chunked form), those
-    formulas one block of query rows at a time (`_backward_in_blocks`)."""
+    """The contract's backward: autograd's formulas over the contract's forward (matmul, softmax,
+    matmul), P recomputed. Up to `_WHOLE_BACKWARD_UP_TO` bytes of scores P whole, as the contract
+    site's own backward (bit for bit its gradients); above, those formulas one block of query rows
+    at a time (`_backward_in_blocks`)."""
     q, k, v, bias = ctx.saved_tensors
-    if math.prod(q.shape[:-1]) * k.shape[-2] * 4 > chunked.CHUNK_ABOVE_BYTES:
-        return (*_backward_in_blocks(grad, q, k, v, bias, ctx.causal), None, None)
-    _, probs = _contract(q, k, v, bias, ctx.causal)
+    if math.prod(q.shape[:-1]) * k.shape[-2] * 4 > _WHOLE_BACKWARD_UP_TO:
+        return (*backward_in_blocks(grad, q, k, v, bias, ctx.causal), None, None)
+    probs = _contract_probs(q, k, bias, ctx.causal)
     grad_v = torch.matmul(probs.transpose(-1, -2), grad)
     grad_scores = torch._softmax_backward_data(torch.matmul(grad, v.transpose(-1, -2)), probs, -1, torch.float32)
     grad_q = torch.matmul(grad_scores, k)
@@ -444,16 +467,32 @@ def _contract_backward(ctx, grad):
     return grad_q, grad_k, grad_v, None, None
 
 
+@torch.library.custom_op("rla::vllm_cpu_vec_attention_backward", mutates_args=(), device_types="cpu")
+def backward_in_blocks(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                       causal: bool, budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_backward_in_blocks` as one op: traced into a compiled backward, its in-place block
+    updates would become copies of whole gradients (slice_scatter), one per block."""
+    return _backward_in_blocks(grad, q, k, v, bias, causal, budget)
+
+
+@backward_in_blocks.register_fake
+def _(grad, q, k, v, bias, causal, budget=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _backward_in_blocks(grad, q, k, v, bias, causal: bool, budget: int | None = None):
-    """The contract's backward one block of query rows at a time (`chunked.rows_per_block`:
-    one block's fp32 scores within `chunked.DEFAULT_BUDGET`), P recomputed, each block over the
-    keys up to the last one a row of it keeps (causal: its last row's own; the additive mask's
-    too). The keys after have P = 0 in every row of the block, so they add nothing to any
+    """The contract's backward one block of query rows at a time, P recomputed, each block over
+    the keys up to the last one a row of it keeps (causal: its last row's own; the additive
+    mask's too). The keys after have P = 0 in every row of the block, so they add nothing to any
     gradient: the same formulas as the chunked site's backward on fewer keys, an fp32
     summation order of their own (as the chunked form's k and v gradients already are;
-    docs/contract.md#chunked), in about half the time of a causal batch."""
+    docs/contract.md#chunked), in about half the time of a causal batch. A block holds an
+    eighth of the queries (at least `chunked.MIN_ROWS`, in multiples of 16: the fastest measured
+    at 96-1024 tokens), fewer where its fp32 scores would exceed `budget` (default
+    `chunked.DEFAULT_BUDGET`; `chunked.rows_per_block`)."""
     queries, keys = q.shape[-2], k.shape[-2]
-    rows = chunked.rows_per_block(math.prod(q.shape[:-2]), 1, queries, keys, budget or chunked.DEFAULT_BUDGET)
+    rows = min(chunked.rows_per_block(math.prod(q.shape[:-2]), 1, queries, keys, budget or chunked.DEFAULT_BUDGET),
+               max(chunked.MIN_ROWS, -(-queries // 8 // 16) * 16))
     grad = grad.contiguous()
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for start, stop in chunked.blocks(queries, rows):
@@ -469,7 +508,8 @@ def _backward_in_blocks(grad, q, k, v, bias, causal: bool, budget: int | None = 
             scores = scores.masked_fill(above, -math.inf)
         if bias is not None:
             scores = scores + (bias if bias.shape[-2] == 1 else bias[..., start:stop, :])[..., :end]
-        probs = safe_softmax(scores)
+        # causal without a mask, every row keeps its own key: no row for safe_softmax to zero
+        probs = torch._softmax(scores, -1, False) if bias is None else safe_softmax(scores)
         grad_scores = torch._softmax_backward_data(torch.matmul(g_rows, v_keys.transpose(-1, -2)), probs, -1,
                                                    torch.float32)
         if above is not None:
@@ -477,7 +517,7 @@ def _backward_in_blocks(grad, q, k, v, bias, causal: bool, budget: int | None = 
         grad_q[..., start:stop, :] = torch.matmul(grad_scores, k_keys)
         grad_k[..., :end, :] += torch.matmul(q_rows.transpose(-1, -2), grad_scores).transpose(-1, -2)
         grad_v[..., :end, :] += torch.matmul(probs.transpose(-1, -2), g_rows)
-    return grad_q, grad_k, grad_v
+    return grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous()  # as the fake ones
 
 
 attention.register_autograd(_contract_backward, setup_context=_setup)
