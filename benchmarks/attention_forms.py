@@ -10,8 +10,9 @@ other way to bound memory, which issue #25 asked to weigh against chunking).
     python -m benchmarks.attention_forms [--shapes shipped qwen3-256 qwen3-2048] [--reps 3] \
         [--chunk-mib 64] [--json benchmarks/results/attention_forms_cpu.json]
 
-Per form, measured in one run: the median time per step (forward + backward) and its ratio to
-the contract's form; the bytes autograd saves for the backward; the peak memory allocated
+Per form, measured in one run: the median time per step (forward + backward) over `--reps`
+rounds, the forms taking turns within a round (each compiled as its own code object), and its
+ratio to the contract's form, with the quartiles of the per-round ratio; the bytes autograd saves for the backward; the peak memory allocated
 above the inputs during a step (glibc's count of bytes in use, sampled every 0.2 ms while the
 step runs: ATen's CPU tensors are malloc'd, so a brief peak can fall between samples); and, for the forms that
 compute the contract, the share of the output's and of each gradient's elements equal to the
@@ -21,6 +22,7 @@ contract's eager fp32 reference (tests/support/contract_reference.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import statistics
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 import rla_compile
 from rla_compile.sites.attention import chunked as attention_chunked, vllm_cpu as attention_vllm_cpu
 
-from .common import ROOT, saved_bytes_of, write
+from .common import ROOT, own_code, saved_bytes_of, write
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 import contract_reference as ref  # noqa: E402  the eager fp32 reference the tests use
@@ -115,26 +117,32 @@ def measure(shape: str, reps: int, chunk_mib: float = 16.0) -> dict:
     leaves = [t.clone().requires_grad_() for t in inputs]
     want = ref.attention(*leaves, causal=True, groups=heads // kv_heads)
     reference = [want.detach(), *torch.autograd.grad(want, leaves, cotangent)]
-    times, saved, peak, equal = {}, {}, {}, {}
+    saved, peak, equal, steps = {}, {}, {}, {}
+    torch._dynamo.reset()
     for name, (rounding, chunked) in FORMS.items():
         python = "Python" in name
         if python and tokens > PYTHON_UP_TO:
             continue
-        torch._dynamo.reset()
         backend = "aot_eager" if rounding is None else rla_compile.Backend(
             compiler="aot_eager", sites=["attention"], rounding={"attention": rounding}, attention_chunk_mib=chunk_mib)
-        compiled = torch.compile(attend_fp32 if name.startswith("fp32") else attend, backend=backend)
+        compiled = torch.compile(own_code(attend_fp32 if name.startswith("fp32") else attend), backend=backend)
         leaves = [t.clone().requires_grad_() for t in inputs]
 
-        def forward():
+        def forward(compiled=compiled, leaves=leaves):
             return compiled(*leaves)
 
-        def step():
+        def step(forward=forward):
             forward().backward(cotangent)
 
         threshold = {True: 0, False: float("inf"), None: attention_chunked.CHUNK_ABOVE_BYTES}[chunked]
-        with mock.patch.object(attention_vllm_cpu, "implementation", lambda: "python" if python else "c"), \
-                mock.patch.object(attention_chunked, "CHUNK_ABOVE_BYTES", threshold):
+
+        @contextlib.contextmanager
+        def patched(python=python, threshold=threshold):
+            with mock.patch.object(attention_vllm_cpu, "implementation", lambda: "python" if python else "c"), \
+                    mock.patch.object(attention_chunked, "CHUNK_ABOVE_BYTES", threshold):
+                yield
+
+        with patched():
             out = forward()  # compile
             if name in CONTRACT_FORMS:
                 grads = torch.autograd.grad(out, leaves, cotangent)
@@ -143,16 +151,24 @@ def measure(shape: str, reps: int, chunk_mib: float = 16.0) -> dict:
                 out.backward(cotangent)
             saved[name] = saved_bytes_of(lambda: forward().float().mul(cotangent).sum())
             peak[name] = peak_allocated_above(step)
-            samples = []
-            for _ in range(reps):
+        steps[name] = step, patched
+    times = {name: [] for name in steps}
+    names = list(steps)
+    for round_ in range(reps):  # the forms in turn, each round starting at the next one
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            step, patched = steps[name]
+            with patched():
                 start = time.perf_counter()
                 step()
-                samples.append(time.perf_counter() - start)
-        times[name] = samples
+                times[name].append(time.perf_counter() - start)
+    torch._dynamo.reset()
     contract = statistics.median(times["contract"])
+    per_round = {name: sorted(a / b for a, b in zip(t, times["contract"])) for name, t in times.items()}
     return {"shape": shape, "batch_heads_kv_tokens_dim": SHAPES[shape], "reps": reps, "times_s": times,
             "chunk_mib": chunk_mib,
             "ratio_vs_contract": {name: statistics.median(t) / contract for name, t in times.items()},
+            "round_ratio_quartiles": {name: [r[len(r) // 4], statistics.median(r), r[(3 * len(r)) // 4]]
+                                      for name, r in per_round.items()},
             "saved_bytes": saved, "peak_allocated_above_inputs_bytes": peak,
             "equal_to_reference_out_dq_dk_dv": equal}
 
@@ -173,7 +189,9 @@ def main(argv=None) -> list:
         print(f"{shape} {result['batch_heads_kv_tokens_dim']}, chunks of {result['chunk_mib']:g} MiB:", flush=True)
         for name, ratio in result["ratio_vs_contract"].items():
             equal = result["equal_to_reference_out_dq_dk_dv"].get(name)
-            print(f"  {name:32s} {statistics.median(result['times_s'][name]) * 1e3:9.1f} ms ({ratio:.2f}x)  "
+            low, _, high = result["round_ratio_quartiles"][name]
+            print(f"  {name:32s} {statistics.median(result['times_s'][name]) * 1e3:9.1f} ms ({ratio:.2f}x, "
+                  f"per round {low:.2f}-{high:.2f})  "
                   f"saved {result['saved_bytes'][name] / 2**20:8.1f} MiB  "
                   f"peak +{result['peak_allocated_above_inputs_bytes'][name] / 2**20:8.1f} MiB"
                   + ("" if equal is None else "  equal to the reference: out/dq/dk/dv "

@@ -3,6 +3,7 @@ the machine description written next to every result."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -28,6 +29,20 @@ VARIANTS = {
     "rla": lambda: rla_compile.Backend(),
     "rla pinned": lambda: rla_compile.Backend(pin_rounding=True),
 }
+
+
+_CODES = itertools.count()
+
+
+def own_code(model):
+    """A function calling `model`, with a code object of its own. Dynamo keeps its compiled
+    entries per code object and checks their guards in turn on each call: compiled as
+    `torch.compile(model)`, every variant shares the model class's `forward` and a step pays
+    for the guards of the variants tried before its own (plain Inductor compiled twice, the
+    second copy measured 1.04-1.11x the first at 1 ms a step: benchmarks/upcasts_before_after.py)."""
+    namespace: dict = {}
+    exec(f"def forward_{next(_CODES)}(*args, **kwargs):\n    return model(*args, **kwargs)", {"model": model}, namespace)
+    return next(iter(namespace.values()))
 
 
 def model_and_tokens(size: str, device: str = "cpu", **overrides):

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import statistics
 import sys
 import time
 
 import torch
 
-from .common import SIZES, VARIANTS, fresh_process_runs, model_and_tokens, saved_bytes_of, train_step, write
+from .common import SIZES, VARIANTS, fresh_process_runs, model_and_tokens, own_code, saved_bytes_of, train_step, write
 
 
 def _sync(device: str) -> None:
@@ -27,25 +26,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-_CODES = itertools.count()
-
-
-def _own_code(model):
-    """A function calling `model`, with a code object of its own. Dynamo keeps its compiled
-    entries per code object and checks their guards in turn on each call: compiled as
-    `torch.compile(model)`, every variant shares the model class's `forward` and a step pays
-    for the guards of the variants tried before its own (plain Inductor compiled twice, the
-    second copy measured 1.04-1.11x the first at 1 ms a step: benchmarks/upcasts_before_after.py)."""
-    namespace: dict = {}
-    exec(f"def forward_{next(_CODES)}(*args, **kwargs):\n    return model(*args, **kwargs)", {"model": model}, namespace)
-    return next(iter(namespace.values()))
-
-
 def _workload(size: str, mode: str, backend, device: str = "cpu"):
     """The step to time and, in training, a forward that returns the loss (for the bytes saved
     for the backward, `common.saved_bytes_of`), both on one compiled model."""
     model, ids = model_and_tokens(size, device)
-    compiled = torch.compile(_own_code(model), backend=backend)
+    compiled = torch.compile(own_code(model), backend=backend)
     if mode == "training":
         return train_step(compiled, model, ids), lambda: compiled(ids, labels=ids, use_cache=False).loss
 

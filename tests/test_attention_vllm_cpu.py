@@ -252,12 +252,12 @@ def test_long_sequences_backward_in_blocks_over_the_keys_a_block_keeps(padded):
         assert ((mine.double() - ref_leaf.grad).abs().max() / ref_leaf.grad.abs().max()) < 1e-5
 
 
-def test_above_a_mebibyte_of_scores_the_site_backward_runs_in_blocks_as_one_op():
-    """Past `_WHOLE_BACKWARD_UP_TO` bytes of scores the compiled backward calls the blocked
-    backward as one op (traced, its per-block updates would copy whole gradients), whose
-    gradients are autograd's over the contract in float64 to fp32's precision."""
+def test_longer_sequences_backward_in_blocks_as_one_op():
+    """From `_BLOCKED_FROM_QUERIES` queries the compiled backward calls the blocked backward as
+    one op (traced, its per-block updates would copy whole gradients), whose gradients are
+    autograd's over the contract in float64 to fp32's precision."""
     q, k, v = (t.bfloat16() for t in _inputs(batch=1, heads=8, tokens=192, dim=32))
-    assert 8 * 192 * 192 * 4 > vec._WHOLE_BACKWARD_UP_TO
+    assert 192 >= vec._BLOCKED_FROM_QUERIES
     causal = torch.ones(192, 192, dtype=torch.bool).triu(1)
     mask = torch.zeros(1, 1, 192, 192).masked_fill(causal, torch.finfo(torch.bfloat16).min).bfloat16()
     calls = []

@@ -68,6 +68,26 @@ static __m512 fast_expf16(__m512 x) {
 }
 #endif
 
+/* The largest of s[0..n-1] (-inf for none), as `s[j] > max ? s[j] : max` from -inf keeps it;
+ * with AVX-512 over 16 lanes first. For scores without NaN the order does not matter (of equal
+ * zeros it may keep another sign, which no later step sees: exp(s - m) and the rescale test
+ * read m only through s - m and m - m_new, equal for either zero). */
+static float max_of(const float *s, int64_t n) {
+    float most = -INFINITY;
+#ifdef __AVX512F__
+    __m512 lanes = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) lanes = _mm512_max_ps(_mm512_loadu_ps(s + j), lanes);
+    float a[LANES];
+    _mm512_storeu_ps(a, lanes);
+    for (int l = 0; l < LANES; l++) most = a[l] > most ? a[l] : most;
+    for (; j < n; j++) most = s[j] > most ? s[j] : most;
+#else
+    for (int64_t j = 0; j < n; j++) most = s[j] > most ? s[j] : most;
+#endif
+    return most;
+}
+
 /* p[j] = exp(s[j] - m) for a block's n keys: fast_expf (AVX-512) or the C library's expf (AVX2). */
 static void block_exp(const float *s, int64_t n, float m, int fused, float *p) {
     if (!fused) {
@@ -200,8 +220,8 @@ static void one_head(const float *q, const float *k, const float *v, const float
     {
         const float *qh = q + h * tokens * dim, *kh = k + h * tokens * dim, *vh = v + h * tokens * vdim;
         const float *bh = bias ? bias + (bias_heads == 1 ? 0 : h) * tokens * tokens : NULL;
-        for (int64_t j = 0; j < tokens; j++)
-            for (int64_t d = 0; d < dim; d++) kt[d * stride + j] = kh[j * dim + d];
+        for (int64_t d = 0; d < dim; d++)
+            for (int64_t j = 0; j < tokens; j++) kt[d * stride + j] = kh[j * dim + d];
         for (int64_t i0 = 0; i0 < tokens;) {
             int64_t rows = 1;
             while (rows < ROWS && i0 + rows < tokens && tiles[i0 + rows] == tiles[i0] && limits[i0 + rows] == limits[i0])
@@ -239,8 +259,8 @@ static void one_head(const float *q, const float *k, const float *v, const float
                     }
                     widest = n[r] > widest ? n[r] : widest;
                     const float *sr = s + r * stride + c0;
-                    float *pr = p + r * stride, block_max = -INFINITY;
-                    for (int64_t j = 0; j < n[r]; j++) block_max = sr[j] > block_max ? sr[j] : block_max;
+                    float *pr = p + r * stride;
+                    const float block_max = max_of(sr, n[r]);
                     const float m_new = m[r] > block_max ? m[r] : block_max, diff = m[r] - m_new;
                     const int grows = diff < -8.0f;
                     if (grows) m[r] = m_new;

@@ -385,9 +385,9 @@ def _contract_probs(q, k, bias, causal: bool):
     if causal:
         rows, cols = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-    if bias is not None:
-        scores = scores + bias
-    return safe_softmax(scores)  # a row every key of which is masked (left padding): P = 0, as SDPA
+    if bias is None:  # causal, or no mask at all: every row keeps a key
+        return torch._softmax(scores, -1, False)
+    return safe_softmax(scores + bias)  # a row every key of which is masked (left padding): P = 0, as SDPA
 
 
 def _contract(q, k, v, bias, causal: bool):
@@ -443,21 +443,23 @@ def _setup(ctx, inputs, output):
     ctx.causal = causal
 
 
-# Up to this many bytes of fp32 scores the backward recomputes P whole (the contract site's
-# gradients bit for bit); above, one block of query rows at a time over the keys the block keeps,
-# which skips the causal half: 0.63x the whole backward's time at 256 tokens, 16 heads, head
-# size 128 (10.7 against 17.0 ms), 0.43x at 512, on the 2-core EPYC of docs/performance.md;
-# at 64 tokens blocks cost 2.5x the whole.
-_WHOLE_BACKWARD_UP_TO = 1 << 20
+# From this many queries (or past the chunked form's threshold, for memory) the backward runs
+# one block of query rows at a time over the keys the block keeps, skipping the causal half;
+# below, it recomputes P whole, as the contract site's own backward (its gradients bit for bit).
+# Measured (the backward alone, causal, fp32, 16 heads of 128 unless said, 25 alternating
+# rounds, median of the per-round ratio blocks / whole, the 2-core EPYC of
+# docs/performance.md): 96 tokens (16 sequences, 4 heads of 32) 1.16, 128 0.98, 160 1.06,
+# 192 0.66, 256 0.47, 512 0.41, 1024 0.37.
+_BLOCKED_FROM_QUERIES = 192
 
 
 def _contract_backward(ctx, grad):
     """The contract's backward: autograd's formulas over the contract's forward (matmul, softmax,
-    matmul), P recomputed. Up to `_WHOLE_BACKWARD_UP_TO` bytes of scores P whole, as the contract
-    site's own backward (bit for bit its gradients); above, those formulas one block of query rows
-    at a time (`_backward_in_blocks`)."""
+    matmul), P recomputed. Below `_BLOCKED_FROM_QUERIES` queries (and scores within
+    `chunked.CHUNK_ABOVE_BYTES`) P whole, as the contract site's own backward (bit for bit its
+    gradients); else those formulas one block of query rows at a time (`backward_in_blocks`)."""
     q, k, v, bias = ctx.saved_tensors
-    if math.prod(q.shape[:-1]) * k.shape[-2] * 4 > _WHOLE_BACKWARD_UP_TO:
+    if q.shape[-2] >= _BLOCKED_FROM_QUERIES or math.prod(q.shape[:-1]) * k.shape[-2] * 4 > chunked.CHUNK_ABOVE_BYTES:
         return (*backward_in_blocks(grad, q, k, v, bias, ctx.causal), None, None)
     probs = _contract_probs(q, k, bias, ctx.causal)
     grad_v = torch.matmul(probs.transpose(-1, -2), grad)
@@ -493,8 +495,10 @@ def _backward_in_blocks(grad, q, k, v, bias, causal: bool, budget: int | None = 
     queries, keys = q.shape[-2], k.shape[-2]
     rows = min(chunked.rows_per_block(math.prod(q.shape[:-2]), 1, queries, keys, budget or chunked.DEFAULT_BUDGET),
                max(chunked.MIN_ROWS, -(-queries // 8 // 16) * 16))
-    grad = grad.contiguous()
+    q, k, v, grad = (t.contiguous() for t in (q, k, v, grad))
     grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # [B x H, L, E] views: each block's k and v gradients accumulate in place (baddbmm)
+    sums_k, sums_v = grad_k.flatten(0, -3), grad_v.flatten(0, -3)
     for start, stop in chunked.blocks(queries, rows):
         end = min(stop, keys) if causal else keys
         if bias is not None:
@@ -505,19 +509,19 @@ def _backward_in_blocks(grad, q, k, v, bias, causal: bool, budget: int | None = 
         above = None
         if causal:
             above = torch.arange(end)[None, :] > torch.arange(start, stop)[:, None]
-            scores = scores.masked_fill(above, -math.inf)
+            scores.masked_fill_(above, -math.inf)
         if bias is not None:
-            scores = scores + (bias if bias.shape[-2] == 1 else bias[..., start:stop, :])[..., :end]
+            scores += (bias if bias.shape[-2] == 1 else bias[..., start:stop, :])[..., :end]
         # causal without a mask, every row keeps its own key: no row for safe_softmax to zero
         probs = torch._softmax(scores, -1, False) if bias is None else safe_softmax(scores)
         grad_scores = torch._softmax_backward_data(torch.matmul(g_rows, v_keys.transpose(-1, -2)), probs, -1,
                                                    torch.float32)
         if above is not None:
-            grad_scores = grad_scores.masked_fill(above, 0)
+            grad_scores.masked_fill_(above, 0)
         grad_q[..., start:stop, :] = torch.matmul(grad_scores, k_keys)
-        grad_k[..., :end, :] += torch.matmul(q_rows.transpose(-1, -2), grad_scores).transpose(-1, -2)
-        grad_v[..., :end, :] += torch.matmul(probs.transpose(-1, -2), g_rows)
-    return grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous()  # as the fake ones
+        sums_k[:, :end].baddbmm_(grad_scores.flatten(0, -3).transpose(-1, -2), q_rows.flatten(0, -3))
+        sums_v[:, :end].baddbmm_(probs.flatten(0, -3).transpose(-1, -2), g_rows.flatten(0, -3))
+    return grad_q, grad_k, grad_v  # contiguous, as the fake ones
 
 
 attention.register_autograd(_contract_backward, setup_context=_setup)
