@@ -5,8 +5,11 @@ takes about a second. The shared objects are cached in `$RLA_CACHE_DIR` (default
 
 Used by the engine-paired forms (the attention site's `sites/attention/vllm_cpu.py`, the MoE
 experts' `experts_vllm_cpu.py`), whose floating-point order must be exactly the one written:
-hence `-ffp-contract=off` and no `-ffast-math` (a fused multiply-add is written as `fmaf`). Where no compiler is found, `load` raises `NativeUnavailable` saying what is
-missing; callers fall back to their Python form and say so.
+hence `-ffp-contract=off` and no `-ffast-math` (a fused multiply-add is written as `fmaf`, or
+as the vector unit's FMA instruction). Built for this CPU (`-march=native`) and with OpenMP
+(`-fopenmp`: the runtime torch loaded) where the compiler takes them. Where no compiler is
+found, `load` raises `NativeUnavailable` saying what is missing; callers fall back to their
+Python form and say so.
 """
 
 from __future__ import annotations

@@ -132,14 +132,17 @@ def test_without_a_compiler_the_python_form_runs_and_says_why(monkeypatch, tmp_p
 
 def test_the_c_forms_are_built_for_this_cpu_and_without_it_where_the_compiler_refuses(monkeypatch, tmp_path):
     """`native.load` builds with `-march=native` (vector units: same IEEE operations, same order)
-    and falls back to the plain flags where the compiler rejects it; both builds give the same bits."""
+    and OpenMP (heads over torch's threads), and falls back to the plain flags where the compiler
+    rejects them (heads then over a thread pool); both builds give the same bits."""
     import shutil
 
     from rla_compile import native
 
-    q, k, v = (t[0] for t in _inputs(batch=1, tokens=24))
-    picky = tmp_path / "cc"  # a compiler that knows no -march=native
-    picky.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && exit 1; done\nexec {shutil.which("gcc") or shutil.which("cc")} "$@"\n')
+    q, k, v = (t[0] for t in _inputs(batch=1, tokens=140))  # 4 x 140² scores: over 2 threads
+    assert 4 * 140 * 140 >= vec._THREADED_FROM
+    picky = tmp_path / "cc"  # a compiler that knows neither -march=native nor -fopenmp
+    picky.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -march=native|-fopenmp) exit 1;; esac; done\n'
+                     f'exec {shutil.which("gcc") or shutil.which("cc")} "$@"\n')
     picky.chmod(0o755)
     results = {}
     try:
@@ -149,8 +152,13 @@ def test_the_c_forms_are_built_for_this_cpu_and_without_it_where_the_compiler_re
                 monkeypatch.setenv("CC", str(cc))
             for cached in (native.load, vec._kernel, vec._warn_once):
                 cached.cache_clear()
-            assert vec.implementation() == "c"
-            results[cc is None] = vec.attention(q[None] * 0.2, k[None], v[None], None, True)
+            assert vec.implementation() == "c" and vec._openmp() == (cc is None)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(2)
+            try:
+                results[cc is None] = vec.attention(q[None] * 0.2, k[None], v[None], None, True)
+            finally:
+                torch.set_num_threads(threads)
             (built,) = (tmp_path / f"cache-{cc is None}").glob("vllm_cpu_vec-*.so")
         assert torch.equal(results[True].view(torch.int16), results[False].view(torch.int16))
     finally:
